@@ -1,0 +1,158 @@
+"""Engram embedding table: fp8 rows with 1x32 ue8m0 scales, read sparsely, possibly from a mapped file.
+
+Shapes: R table rows, De row width (engram_head_dim), N hash columns, `...` any leading shape.
+
+A released table is ~94.6 GiB (CHECKPOINT.md §7), more than most hosts' RAM. It is mapped read-only
+and SHARED (a private copy-on-write mapping of a file larger than RAM is refused by Linux) and only
+the rows a lookup touches are ever read from disk. The table may live on another device than the
+model (host memory, a mapped file); `lookup` gathers where the table is and ships the still-fp8 rows
+(264 B per row instead of 512 B as bf16) to the requested device before dequantising.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import formats
+
+SCALE_BLOCK = formats.ENGRAM_BLOCK  # one ue8m0 scale per 32 values of a row (ARCHITECTURE.md §6.2)
+SAFETENSORS_LEN_BYTES = 8  # a file starts with the header length as little-endian u64
+
+SAFETENSORS_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BOOL": torch.bool,
+}
+
+
+# ---------------------------------------------------------------- read-only shared mapping ------
+
+
+def read_safetensors_header(path: str | os.PathLike) -> tuple[dict, int]:
+    """(header dict, byte offset of the data section)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(SAFETENSORS_LEN_BYTES))
+        header = json.loads(f.read(n))
+    return header, SAFETENSORS_LEN_BYTES + n
+
+
+def _entry_span(path, header: dict, data_start: int, name: str) -> tuple[torch.dtype, list[int], int, int]:
+    entry = header.get(name)
+    if entry is None or name == "__metadata__":
+        raise KeyError(f"{path}: no tensor named {name!r}")
+    dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
+    shape = list(entry["shape"])
+    begin, end = entry["data_offsets"]
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if end - begin != expected:
+        raise ValueError(f"{path}: tensor {name!r} spans {end - begin} bytes; shape {shape} of {entry['dtype']} "
+                         f"needs {expected}")
+    size = os.path.getsize(path)
+    if data_start + end > size:
+        raise ValueError(f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes "
+                         "(truncated download?)")
+    return dtype, shape, data_start + begin, expected
+
+
+def map_safetensors_tensor(path: str | os.PathLike, name: str, *, random_access: bool = False) -> torch.Tensor:
+    """One tensor of a safetensors file as a read-only, shared memory map (no byte read until used).
+
+    Writing to the result faults: it is mapped PROT_READ. `random_access` tells the kernel not to
+    read ahead around each touched page (sparse row lookups)."""
+    header, data_start = read_safetensors_header(path)
+    dtype, shape, offset, nbytes = _entry_span(path, header, data_start, name)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    page_start = offset - offset % mmap.ALLOCATIONGRANULARITY  # mmap offsets must be page-aligned
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), offset - page_start + nbytes, access=mmap.ACCESS_READ, offset=page_start)
+    if random_access and hasattr(mapped, "madvise"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    raw = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=offset - page_start)
+    with warnings.catch_warnings():
+        # torch warns that the array is not writable; read-only is the point of this mapping.
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        flat = torch.from_numpy(raw)  # keeps `raw`, hence the mapping, alive
+    return flat.view(dtype).view(shape)
+
+
+# ---------------------------------------------------------------- the table ---------------------
+
+
+class EngramTable(nn.Module):
+    """`weight` e4m3 [R, De] and `scale` ue8m0 [R, De/32]: value(r, i) = weight[r, i] · scale[r, i // 32]
+    (CHECKPOINT.md §2). Registered as `embed`, the names are the checkpoint's
+    `layers.L.engram.embed.weight` / `.scale`.
+
+    `movable=False` pins the table where it is: `model.to(...)` then leaves it alone, so a mapped
+    or host-resident table is not copied onto the accelerator with the rest of the model.
+    """
+
+    def __init__(self, rows: int, head_dim: int, *, device=None, movable: bool = True):
+        super().__init__()
+        if head_dim % SCALE_BLOCK:
+            raise ValueError(f"Engram head_dim {head_dim} must be a multiple of {SCALE_BLOCK}")
+        self.rows, self.head_dim, self.movable = rows, head_dim, movable
+        self.weight = nn.Parameter(torch.empty(rows, head_dim, dtype=torch.float8_e4m3fn, device=device),
+                                   requires_grad=False)
+        self.scale = nn.Parameter(torch.empty(rows, head_dim // SCALE_BLOCK, dtype=torch.float8_e8m0fnu,
+                                              device=device), requires_grad=False)
+
+    def attach(self, weight: torch.Tensor, scale: torch.Tensor, *, movable: bool = False) -> None:
+        """Use `weight`/`scale` (e.g. mapped from a file) as the table, without copying them."""
+        want = {"weight": ((self.rows, self.head_dim), torch.float8_e4m3fn),
+                "scale": ((self.rows, self.head_dim // SCALE_BLOCK), torch.float8_e8m0fnu)}
+        for name, t in (("weight", weight), ("scale", scale)):
+            shape, dtype = want[name]
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(f"Engram table {name}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}")
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
+        self.movable = movable
+
+    @classmethod
+    def from_safetensors(cls, path: str | os.PathLike, weight_name: str, scale_name: str) -> "EngramTable":
+        weight = map_safetensors_tensor(path, weight_name, random_access=True)
+        scale = map_safetensors_tensor(path, scale_name, random_access=True)
+        if weight.ndim != 2:
+            raise ValueError(f"{path}: {weight_name} must be 2-D, got shape {tuple(weight.shape)}")
+        table = cls(weight.shape[0], weight.shape[1], device="meta")
+        table.attach(weight, scale, movable=False)
+        return table
+
+    def _apply(self, fn, recurse=True):
+        if not self.movable:
+            return self
+        return super()._apply(fn, recurse)
+
+    def lookup(self, ids: torch.Tensor, device=None) -> torch.Tensor:
+        """ids int64 [..., N] -> bf16 [..., N, De] on `device` (default: the ids' device).
+
+        Only the requested rows are read; dequantisation is an fp32 multiply then one bf16 rounding
+        (ARCHITECTURE.md §9 step 1), done on the destination device."""
+        out_device = torch.device(device) if device is not None else ids.device
+        flat = ids.reshape(-1).to(self.weight.device)
+        # Gather as raw bytes: plain byte copies, on whatever device holds the table.
+        w = self.weight.view(torch.uint8).index_select(0, flat)  # [M, De]
+        s = self.scale.view(torch.uint8).index_select(0, flat)  # [M, De/32]
+        # Asynchronous only towards an accelerator: a non-blocking copy into host memory may still be
+        # in flight when the host reads it.
+        async_copy = out_device.type != "cpu"
+        w = w.to(out_device, non_blocking=async_copy).view(torch.float8_e4m3fn)
+        s = s.to(out_device, non_blocking=async_copy).view(torch.float8_e8m0fnu)
+        rows = formats.dequantize_fp8_rows(w, s).to(torch.bfloat16)
+        return rows.view(*ids.shape, self.head_dim)
+
+    def extra_repr(self) -> str:
+        return f"rows={self.rows}, head_dim={self.head_dim}, device={self.weight.device}, movable={self.movable}"

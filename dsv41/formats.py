@@ -1,0 +1,227 @@
+"""Number-format codecs, block quantisation and quantise-dequantise (QDQ) helpers.
+
+Formats are those of ARCHITECTURE.md §6.1 and CHECKPOINT.md §2: e4m3 (`float8_e4m3fn`), ue8m0
+(`float8_e8m0fnu`, value 2^(byte-127), 0xFF = NaN), e2m1 (fp4, sign in bit 3) and packed fp4 (low
+nibble = even element). Weight layouts follow §6.2, activation quantisation §6.3, the attention QDQ
+points #2-#4 §6.4. All arithmetic is fp32; every function is pure and works on any device and any
+leading dims.
+
+Power-of-two scales are built from the fp32 bit pattern, never through torch's float -> e8m0 cast:
+that cast rounds to the nearest power (1.5 -> 2, 3 -> 4), drops the sign and maps 0 to 2^-127.
+"""
+
+import torch
+from torch import Tensor
+
+FP8_MAX = 448.0  # largest finite e4m3fn value (§6.1)
+FP4_MAX = 6.0  # largest e2m1 value (§6.1)
+FP8_WEIGHT_BLOCK = 32  # dense fp8 weights use 32x32 blocks, not V3's 128 (§6.2, trap 4)
+FP4_WEIGHT_BLOCK = 32  # fp4 expert scales cover 1x32 blocks along the input (§6.2)
+ENGRAM_BLOCK = 32  # Engram table scales cover 1x32 blocks along the row (§6.2)
+
+# §6.3 / §6.4: the activation scales multiply by the fp32-rounded reciprocal, not divide. A Python
+# float holding an fp32 value gives the same product as an fp32 multiply (the exact product of two
+# fp32 numbers fits a double, then rounds once).
+_INV_FP8_MAX_F32 = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
+_INV_FP4_MAX_F32 = float(torch.tensor(1.0 / FP4_MAX, dtype=torch.float32))
+ACT_AMAX_FLOOR = 1e-4  # fp8 activation / window-KV amax floor (§6.3, §6.4 point #2)
+FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9  # point #3: keeps the e4m3 scale >= its smallest subnormal
+FP4_E8M0_AMAX_FLOOR = 6.0 * 2.0**-126  # point #4: keeps the ue8m0 scale a normal fp32 number
+
+# Value of each 4-bit e2m1 code (§6.1); codes 8..15 are the negatives (8 is -0).
+E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=torch.float32,
+)
+
+_F32_MANTISSA_BITS = 23
+_F32_MANTISSA_MASK = (1 << 23) - 1
+_F32_ABS_MASK = 0x7FFFFFFF
+_F32_NAN_BITS = 0x7FC00000
+_F32_TWO_POW_M127_BITS = 0x00400000  # 2^-127 is an fp32 subnormal: mantissa bit 22 only
+_E8M0_NAN = 255
+
+
+# ---------------------------------------------------------------- ue8m0 -------------------------
+
+
+def e8m0_to_float(scale: Tensor) -> Tensor:
+    """ue8m0 (or its raw uint8 bytes) -> fp32 2^(byte-127); byte 255 -> NaN. Exact, including byte 0."""
+    byte = scale.view(torch.uint8).to(torch.int32)
+    bits = byte << _F32_MANTISSA_BITS
+    bits = torch.where(byte == 0, torch.full_like(bits, _F32_TWO_POW_M127_BITS), bits)
+    bits = torch.where(byte == _E8M0_NAN, torch.full_like(bits, _F32_NAN_BITS), bits)
+    return bits.view(torch.float32)
+
+
+def float_to_e8m0(pow2: Tensor) -> Tensor:
+    """Exact fp32 powers of two -> float8_e8m0fnu. The byte is the fp32 exponent field (mantissa bits
+    are ignored, so callers must pass powers of two); 2^-127 (a subnormal) -> 0; NaN/inf -> 255."""
+    bits = pow2.to(torch.float32).contiguous().view(torch.int32) & _F32_ABS_MASK
+    byte = bits >> _F32_MANTISSA_BITS  # 0 for zero and subnormals, 255 for inf/NaN
+    return byte.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def pow2_ceil(x: Tensor) -> Tensor:
+    """fp32 2^ceil(log2 x) for positive fp32 x, from the bits: exponent, plus one if the mantissa is
+    non-zero (§6.3). As that rule reads, subnormal x give 2^-126 (an upper bound, not the tight
+    power), zero gives 2^-127, and x > 2^127 gives NaN (no fp32/ue8m0 power above it)."""
+    bits = x.to(torch.float32).contiguous().view(torch.int32) & _F32_ABS_MASK
+    exponent = bits >> _F32_MANTISSA_BITS
+    exponent = exponent + ((bits & _F32_MANTISSA_MASK) != 0).to(torch.int32)
+    return e8m0_to_float(exponent.clamp(max=_E8M0_NAN).to(torch.uint8))
+
+
+def _scale_as_float(scale: Tensor) -> Tensor:
+    # Checkpoint scales are ue8m0; also accept raw bytes or scales already held as floats.
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        return e8m0_to_float(scale)
+    return scale.to(torch.float32)
+
+
+# ---------------------------------------------------------------- e2m1 (fp4) --------------------
+
+# Midpoints between adjacent e2m1 magnitudes; at a midpoint the even code wins (§6.4), so a
+# magnitude moves up past a midpoint whose upper neighbour has an even code (>=) and only strictly
+# past one whose lower neighbour is even (>).
+_E2M1_MIDPOINTS_UP_ON_TIE = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
+                             (2.5, False), (3.5, True), (5.0, False))
+
+
+def fp4_encode(x: Tensor) -> Tensor:
+    """float -> e2m1 code 0..15: round to nearest, ties to the even code, saturating at +-6; the sign
+    (bit 3) is kept for zeros and for values that round to zero. NaN encodes as +-0."""
+    xf = x.to(torch.float32)
+    mag = xf.abs()
+    code = torch.zeros(xf.shape, dtype=torch.uint8, device=xf.device)
+    for midpoint, up_on_tie in _E2M1_MIDPOINTS_UP_ON_TIE:  # 7 vectorised steps, not per element
+        code += (mag >= midpoint if up_on_tie else mag > midpoint).to(torch.uint8)
+    return code | (torch.signbit(xf).to(torch.uint8) << 3)
+
+
+def fp4_decode(codes: Tensor) -> Tensor:
+    """e2m1 codes (any integer dtype, values 0..15) -> fp32."""
+    return E2M1_VALUES.to(codes.device)[codes.to(torch.long)]
+
+
+def pack_fp4(codes: Tensor) -> Tensor:
+    """uint8 codes [..., n] -> int8 [..., n/2]; byte = even element + 16 * odd element (§6.1)."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_fp4 needs an even last dim, got {tuple(codes.shape)}")
+    codes = codes.to(torch.uint8)
+    packed = (codes[..., 0::2] & 0xF) | ((codes[..., 1::2] & 0xF) << 4)
+    return packed.view(torch.int8)
+
+
+def unpack_fp4(packed: Tensor) -> Tensor:
+    """int8/uint8 (or any 1-byte dtype) [..., n/2] -> uint8 codes [..., n]."""
+    raw = packed.view(torch.uint8)
+    return torch.stack((raw & 0xF, raw >> 4), dim=-1).flatten(-2)
+
+
+def _e2m1_round(x: Tensor) -> Tensor:
+    return fp4_decode(fp4_encode(x))
+
+
+# ---------------------------------------------------------------- weights (§6.2) ----------------
+
+
+def _expand_blocks_2d(scale: Tensor, block: int, rows: int, cols: int) -> Tensor:
+    # [ceil(rows/b), ceil(cols/b)] -> [rows, cols], each scale covering its b x b tile.
+    full = scale.repeat_interleave(block, dim=0).repeat_interleave(block, dim=1)
+    return full[:rows, :cols]
+
+
+def quantize_fp8_weight(w: Tensor, block: int = FP8_WEIGHT_BLOCK) -> tuple[Tensor, Tensor]:
+    """float [out, in] -> (e4m3 [out, in], ue8m0 [ceil(out/b), ceil(in/b)]); per b x b block the
+    scale is pow2_ceil(max(amax, fp32 tiny) / 448)."""
+    rows, cols = w.shape
+    wf = w.to(torch.float32)
+    pad_r, pad_c = -rows % block, -cols % block
+    padded = torch.nn.functional.pad(wf, (0, pad_c, 0, pad_r))  # zeros never raise a block's amax
+    blocks = padded.view(padded.shape[0] // block, block, padded.shape[1] // block, block)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = pow2_ceil(amax / FP8_MAX)
+    q = (wf / _expand_blocks_2d(scale, block, rows, cols)).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn), float_to_e8m0(scale)
+
+
+def dequantize_fp8_weight(weight: Tensor, scale: Tensor, block: int = FP8_WEIGHT_BLOCK) -> Tensor:
+    """e4m3 [out, in] with ue8m0 [ceil(out/b), ceil(in/b)] -> fp32; value = w[o,i] * scale[o//b, i//b]."""
+    rows, cols = weight.shape
+    return weight.to(torch.float32) * _expand_blocks_2d(_scale_as_float(scale), block, rows, cols)
+
+
+def _scale_last_dim(values: Tensor, scale: Tensor, block: int) -> Tensor:
+    # values fp32 [..., n], scale fp32 [..., n/block]: one scale per block of the last dim.
+    blocks = values.unflatten(-1, (-1, block))
+    return (blocks * scale.unsqueeze(-1)).flatten(-2)
+
+
+def quantize_fp4_weight(w: Tensor) -> tuple[Tensor, Tensor]:
+    """float [..., out, in] (in % 32 == 0) -> (packed int8 [..., out, in/2], ue8m0 [..., out, in/32]);
+    per 1x32 block the scale is pow2_ceil(amax / 6)."""
+    _check_blocks(w, FP4_WEIGHT_BLOCK)
+    blocks = w.to(torch.float32).unflatten(-1, (-1, FP4_WEIGHT_BLOCK))
+    scale = pow2_ceil(blocks.abs().amax(dim=-1) / FP4_MAX)
+    codes = fp4_encode(blocks / scale.unsqueeze(-1)).flatten(-2)
+    return pack_fp4(codes), float_to_e8m0(scale)
+
+
+def dequantize_fp4_weight(packed: Tensor, scale: Tensor) -> Tensor:
+    """packed e2m1 [..., out, in/2] with ue8m0 [..., out, in/32] -> fp32 [..., out, in]."""
+    values = fp4_decode(unpack_fp4(packed))
+    return _scale_last_dim(values, _scale_as_float(scale), FP4_WEIGHT_BLOCK)
+
+
+def dequantize_fp8_rows(weight: Tensor, scale: Tensor) -> Tensor:
+    """Engram table rows: e4m3 [..., n] with ue8m0 [..., n/32] (1x32 blocks along the row) -> fp32."""
+    return _scale_last_dim(weight.to(torch.float32), _scale_as_float(scale), ENGRAM_BLOCK)
+
+
+# ---------------------------------------------------------------- activations (§6.3, §6.4) -----
+
+
+def _check_blocks(x: Tensor, block: int) -> None:
+    if x.shape[-1] % block:
+        raise ValueError(f"last dim of {tuple(x.shape)} is not a multiple of the block {block}")
+
+
+def _block_amax(x: Tensor, block: int, floor: float) -> tuple[Tensor, Tensor]:
+    # -> (fp32 [..., n/block, block], amax fp32 [..., n/block] floored)
+    _check_blocks(x, block)
+    blocks = x.to(torch.float32).unflatten(-1, (-1, block))
+    return blocks, blocks.abs().amax(dim=-1).clamp(min=floor)
+
+
+def fp8_act_quant(x: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
+    """§6.3 point #1: -> (e4m3 q, same shape as x; fp32 power-of-two scale [..., n/block])."""
+    blocks, amax = _block_amax(x, block, ACT_AMAX_FLOOR)
+    scale = pow2_ceil(amax * _INV_FP8_MAX_F32)
+    q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), scale
+
+
+def fp8_qdq(x: Tensor, block: int = 32) -> Tensor:
+    """fp8 QDQ (§6.4 point #2 and the activation path): e4m3_RNE(clamp(x/s, +-448)) * s, in x.dtype."""
+    q, scale = fp8_act_quant(x, block)
+    return _scale_last_dim(q.to(torch.float32), scale, block).to(x.dtype)
+
+
+def _fp4_qdq(blocks: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    scaled = (blocks / scale.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
+    return (_e2m1_round(scaled) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def fp4_qdq_e4m3(x: Tensor, block: int = 16) -> Tensor:
+    """§6.4 point #3 (compressed KV): scale = e4m3_RNE(amax/6), amax >= 6*2^-9; returns x.dtype."""
+    blocks, amax = _block_amax(x, block, FP4_E4M3_AMAX_FLOOR)
+    # Clamp before the cast so saturation does not depend on the backend's overflow behaviour.
+    scale = (amax / FP4_MAX).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    return _fp4_qdq(blocks, scale, x.dtype)
+
+
+def fp4_qdq_e8m0(x: Tensor, block: int = 32) -> Tensor:
+    """§6.4 point #4 (indexer q/k): scale = pow2_ceil(amax * fp32(1/6)), amax >= 6*2^-126; x.dtype."""
+    blocks, amax = _block_amax(x, block, FP4_E8M0_AMAX_FLOOR)
+    return _fp4_qdq(blocks, pow2_ceil(amax * _INV_FP4_MAX_F32), x.dtype)

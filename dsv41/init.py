@@ -1,0 +1,88 @@
+"""Deterministic random weights for V4.1-architecture models (tests, benchmarks, the demo model).
+
+Every matrix is drawn in fp32 and then stored in its module's format (quantised where the module keeps
+fp8 / fp4), so a random model exercises exactly the numerics a released checkpoint does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from . import formats
+from .layers import Embedding, Head, Linear, RMSNorm
+from .moe import Router, StackedWeight
+
+
+def _normal(shape, std: float, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+
+def _store_matrix(param_w: nn.Parameter, param_s: nn.Parameter | None, storage: str, w: torch.Tensor) -> None:
+    """Write the logical fp32 matrix w [out, in] into (weight, scale) in the module's format."""
+    if param_s is None:
+        param_w.data.copy_(w.to(param_w.dtype))
+    elif storage == "fp4":
+        q, s = formats.quantize_fp4_weight(w)
+        param_w.data.copy_(q)
+        param_s.data.copy_(s)
+    else:
+        q, s = formats.quantize_fp8_weight(w)
+        param_w.data.copy_(q)
+        param_s.data.copy_(s)
+
+
+def init_linear(m: Linear, gen: torch.Generator, std: float | None = None) -> None:
+    std = std if std is not None else m.in_features ** -0.5
+    _store_matrix(m.weight, m.scale, m.storage, _normal((m.out_features, m.in_features), std, gen))
+
+
+def init_stacked(m: StackedWeight, gen: torch.Generator) -> None:
+    for e in range(m.weight.shape[0]):
+        w = _normal((m.out_features, m.in_features), m.in_features ** -0.5, gen)
+        if m.scale is None:
+            m.weight.data[e].copy_(w.to(m.weight.dtype))
+        else:
+            q, s = (formats.quantize_fp4_weight(w) if m.storage == "fp4" else formats.quantize_fp8_weight(w))
+            m.weight.data[e].copy_(q)
+            m.scale.data[e].copy_(s)
+
+
+@torch.no_grad()
+def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Fill every parameter of a dsv41 model deterministically from `seed` (CPU generator)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            init_linear(module, gen)
+        elif isinstance(module, StackedWeight):
+            init_stacked(module, gen)
+        elif isinstance(module, RMSNorm):
+            module.weight.data.copy_((1 + 0.1 * _normal(module.weight.shape, 1.0, gen)).to(module.weight.dtype))
+        elif isinstance(module, (Embedding, Head)):
+            module.weight.data.copy_(_normal(module.weight.shape, 1.0 if isinstance(module, Embedding)
+                                             else module.weight.shape[1] ** -0.5, gen).to(module.weight.dtype))
+        elif isinstance(module, Router):
+            module.weight.data.copy_(_normal(module.weight.shape, module.weight.shape[1] ** -0.5, gen).to(torch.bfloat16))
+            module.bias.data.copy_(0.1 * _normal(module.bias.shape, 1.0, gen))
+            if module.bias_vl is not None:
+                module.bias_vl.data.copy_(0.1 * _normal(module.bias_vl.shape, 1.0, gen))
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf.endswith("_fn"):
+            p.data.copy_(_normal(p.shape, 0.5 / math.sqrt(p.shape[1]), gen))
+        elif leaf.endswith("_base"):
+            p.data.copy_(0.5 * _normal(p.shape, 1.0, gen))
+        elif leaf.endswith("_scale") and leaf.startswith("hc_"):
+            p.data.copy_(1.0 + 0.1 * _normal(p.shape, 1.0, gen))
+        elif leaf == "attn_sink":
+            p.data.copy_(_normal(p.shape, 1.0, gen))
+        elif leaf in ("q_weight", "k_weight"):
+            p.data.copy_((1 + 0.1 * _normal(p.shape, 1.0, gen)).to(p.dtype))
+    for module in model.modules():
+        init_table = getattr(module, "init_random_", None)
+        if init_table is not None and module is not model:
+            init_table(gen)
+    return model

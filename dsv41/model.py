@@ -1,0 +1,171 @@
+"""The DeepSeek-V4.1 transformer: embed → S streams → 40 blocks (Engram before 1 and 14) → collapse.
+
+Shapes: B batch, T positions in the call, S streams (hc_mult), D dim, V vocab, N Engram hash columns,
+Dt = D · len(dspark_target_layer_ids) DSpark conditioning width.
+
+`Transformer.forward` runs the blocks for token ids at absolute positions start_pos … start_pos + T − 1
+against a `ModelCache` and returns hidden states; `Transformer.logits` projects the positions a caller
+asks for (STYLE.md P4). Prefill, chunked prefill, decode and multi-token verification are the same call
+with different metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import hyper
+from .attention import Attention, ForwardState
+from .cache import ModelCache, create_cache
+from .config import ModelConfig, RuntimeConfig
+from .layers import Embedding, Head, RMSNorm
+from .moe import MoE
+from .roles import LayerRole, derive_roles
+
+
+class Block(nn.Module):
+    """One layer: attention and MoE, each between a stream collapse and a stream expansion (§5)."""
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: str, device=None, dtype=torch.bfloat16):
+        super().__init__()
+        self.role = role
+        self.hc_iters, self.norm_eps, self.hc_eps = cfg.hc_sinkhorn_iters, cfg.norm_eps, cfg.hc_eps
+        kw = dict(numerics=numerics, device=device, dtype=dtype)
+        self.attn = Attention(cfg, role, **kw)
+        n_experts, n_active = ((cfg.dspark_n_routed_experts, cfg.dspark_n_activated_experts) if role.is_dspark
+                               else (cfg.n_routed_experts, cfg.n_activated_experts))
+        self.ffn = MoE(cfg.dim, cfg.moe_inter_dim, n_experts, n_active, cfg.route_scale, cfg.swiglu_limit,
+                       cfg.expert_dtype, vision=cfg.vision_enabled, gate_temp=cfg.gate_temp, **kw)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        width, flat = cfg.hc_mix_width, cfg.hc_mult * cfg.dim
+        for sub in ("attn", "ffn"):
+            self.register_parameter(f"hc_{sub}_fn", _fp32_param((width, flat), device))
+            self.register_parameter(f"hc_{sub}_base", _fp32_param((width,), device))
+            self.register_parameter(f"hc_{sub}_scale", _fp32_param((3,), device))
+        self.engram = None
+        if role.has_engram:
+            from .engram import Engram
+            self.engram = Engram(cfg, role.engram_index, numerics=numerics, device=device, dtype=dtype)
+
+    def _mixes(self, x: torch.Tensor, sub: str):
+        return hyper.mixes(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
+                           getattr(self, f"hc_{sub}_base"), iters=self.hc_iters, norm_eps=self.norm_eps,
+                           hc_eps=self.hc_eps)
+
+    def forward(self, x: torch.Tensor, pre: torch.Tensor, step: ForwardState, cache: ModelCache,
+                image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, S, D], pre [B, T, S] (from the previous sublayer, trap 1) → (x, pre for the next)."""
+        pre_attn, post, comb = self._mixes(x, "attn")
+        o = self.attn(self.attn_norm(hyper.collapse(x, pre)), step, cache)
+        x = hyper.expand(o, x, post, comb)
+        pre_ffn, post, comb = self._mixes(x, "ffn")
+        m = self.ffn(self.ffn_norm(hyper.collapse(x, pre_attn)), image_mask)
+        return hyper.expand(m, x, post, comb), pre_ffn
+
+
+def _fp32_param(shape: tuple[int, ...], device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device=device, dtype=torch.float32), requires_grad=False)
+
+
+@dataclass
+class ModelOutput:
+    hidden: torch.Tensor
+    """[B, T, D] the collapsed stream before the final norm (feed to `Transformer.logits`)."""
+    dspark_hidden: torch.Tensor | None
+    """[B, T, Dt] means over streams of the streams entering the DSpark target layers (trap 19)."""
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, runtime: RuntimeConfig | None = None, *, device=None,
+                 token_map: torch.Tensor | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.runtime = runtime or RuntimeConfig()
+        self.roles = derive_roles(cfg)
+        dtype, numerics = self.runtime.torch_dtype, self.runtime.numerics
+        kw = dict(numerics=numerics, device=device, dtype=dtype)
+        self.embed = Embedding(cfg.vocab_size, cfg.dim, device=device, dtype=torch.bfloat16)
+        self.layers = nn.ModuleList(Block(cfg, r, **kw) for r in self.roles[:cfg.n_layers])
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        self.head = Head(cfg.vocab_size, cfg.dim, device=device)
+        self.hasher = None
+        if cfg.engram_layer_ids:
+            from .engram import EngramLayout, NgramHasher
+            self.engram_layout = EngramLayout.from_config(cfg)
+            if token_map is not None:
+                self.hasher = NgramHasher(self.engram_layout, token_map)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runtime.torch_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def set_token_map(self, token_map: torch.Tensor) -> None:
+        """Attach the tokenizer's compressed token map that feeds the Engram hash (ENGRAM-HASHING §1)."""
+        from .engram import NgramHasher
+        self.hasher = NgramHasher(self.engram_layout, token_map)
+
+    def new_cache(self, batch_size: int, max_seq_len: int | None = None) -> ModelCache:
+        """Fresh per-sequence state for `batch_size` rows of up to `max_seq_len` positions."""
+        max_seq_len = max_seq_len or self.runtime.max_seq_len
+        history = None
+        if self.cfg.engram_layer_ids:
+            from .engram import EngramHistory
+            history = EngramHistory.create(batch_size, max_seq_len, device=self.device)
+        return create_cache(self.cfg, self.roles, batch_size, max_seq_len, device=self.device, dtype=self.dtype,
+                            engram_history=history)
+
+    def forward(self, ids: torch.Tensor, start_pos: int, cache: ModelCache, *,
+                token_types: torch.Tensor | None = None) -> ModelOutput:
+        """ids [B, T] at positions start_pos … start_pos + T − 1 → hidden states; updates `cache`.
+
+        token_types [B, T]: −1 text, ≥ 0 image-span positions (bias_vl routing, no Engram).
+        """
+        B, T = ids.shape
+        cache.check_call(start_pos, T, B)
+        self._check_ids(ids)
+        image_mask = None if token_types is None else token_types >= 0
+        text_mask = None if image_mask is None else ~image_mask
+        engram_rows = self._engram_rows(ids, start_pos, cache, text_mask)
+        step = ForwardState(start_pos=start_pos, length=T, positions=torch.arange(start_pos, start_pos + T),
+                            stale_index_keys=self.runtime.stale_index_keys)
+        x = self.embed(ids).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)           # [B, T, S, D]
+        pre = hyper.identity_pre(B, T, self.cfg.hc_mult, device=ids.device)
+        targets = []
+        for block in self.layers:
+            if block.engram is not None:
+                x = block.engram(x, engram_rows[block.role.engram_index], text_mask)
+            if block.role.is_dspark_target:
+                targets.append(x.float().mean(dim=2).to(x.dtype))
+            x, pre = block(x, pre, step, cache, image_mask)
+        cache.length = start_pos + T
+        hidden = hyper.collapse(x, pre)
+        return ModelOutput(hidden=hidden, dspark_hidden=torch.cat(targets, dim=-1) if targets else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [..., V] of the hidden states given (slice the positions you need first)."""
+        return self.head(self.norm(hidden))
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"token ids must be an integer tensor, got {ids.dtype}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}), got min {int(ids.min())} "
+                             f"max {int(ids.max())}")
+
+    def _engram_rows(self, ids, start_pos, cache, text_mask) -> list[torch.Tensor]:
+        """Hash ids are known from the tokens, so every Engram layer's rows are gathered up front."""
+        if not self.cfg.engram_layer_ids:
+            return []
+        if self.hasher is None:
+            raise RuntimeError("this model has Engram layers but no compressed token map: build it with "
+                               "token_map=… or call set_token_map (ENGRAM-HASHING.md §1)")
+        hash_ids = self.hasher(ids, start_pos, cache.engram_history, text_mask)       # [B, T, nE, N]
+        engrams = {b.role.engram_index: b.engram for b in self.layers if b.engram is not None}
+        return [engrams[e].gather(hash_ids[:, :, e], ids.device) for e in range(len(engrams))]

@@ -1,0 +1,202 @@
+"""Mixture of experts: √softplus router, stacked routed experts, one shared expert (ARCHITECTURE.md §13).
+
+Shapes: n tokens (B·T flattened), D dim, F expert hidden, E routed experts (local to this rank),
+A experts per token, P = n·A token–expert pairs.
+
+Routing is a pure function (selection by score + bias, weights from the raw scores, trap 16). Routed
+experts are stored stacked ([E, out, in] logically) and run as one grouped GEMM over the pairs sorted
+by expert, with group offsets computed on the device: no per-expert host synchronisation (STYLE.md P7).
+When there are fewer pairs than experts (decode), only the chosen experts' weights are gathered and
+dequantised.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import formats
+from .layers import Linear, stored_dtypes, weight_shapes
+
+# Routing weights are normalised with their own constant, not norm_eps (§13, trap 3).
+ROUTE_NORM_EPS = 1e-20
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float, *,
+          gate_temp: float = 1.0, bias_vl: torch.Tensor | None = None,
+          image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, D] → (weights [n, A] fp32, expert ids [n, A]); bias (or bias_vl on image tokens) only selects."""
+    scores = F.softplus(F.linear(x.float(), weight.float()) / gate_temp).sqrt()           # [n, E]
+    select_bias = bias
+    if bias_vl is not None and image_mask is not None:
+        select_bias = torch.where(image_mask.unsqueeze(-1), bias_vl, bias)
+    ids = (scores + select_bias).topk(topk, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if topk > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTE_NORM_EPS)
+    return weights * route_scale, ids
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(g, limit)) · clamp(u, ±limit) in fp32; the gate is clamped from above only (trap 17)."""
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return F.silu(gate) * up
+
+
+class Expert(nn.Module):
+    """The shared expert: SwiGLU with fp8 weights w1 (gate), w3 (up), w2 (down)."""
+
+    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float, *, numerics: str, device=None,
+                 dtype=torch.bfloat16):
+        super().__init__()
+        kw = dict(numerics=numerics, device=device, dtype=dtype)
+        self.w1 = Linear(dim, inter_dim, "fp8", **kw)
+        self.w2 = Linear(inter_dim, dim, "fp8", **kw)
+        self.w3 = Linear(dim, inter_dim, "fp8", **kw)
+        self.swiglu_limit = swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.swiglu_limit).to(x.dtype))
+
+
+class StackedWeight(nn.Module):
+    """E matrices [out, in] in one storage format: `weight [E, …]` and, if quantised, `scale [E, …]`."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int, storage: str, *, numerics: str,
+                 device=None, dtype=torch.bfloat16):
+        super().__init__()
+        self.storage, self.in_features, self.out_features = storage, in_features, out_features
+        w_dtype, s_dtype = stored_dtypes(storage, numerics, dtype)
+        w_shape, s_shape = weight_shapes(in_features, out_features, storage)
+        if s_dtype is None:
+            w_shape = (out_features, in_features)
+        self.weight = nn.Parameter(torch.empty((n_experts, *w_shape), device=device, dtype=w_dtype), requires_grad=False)
+        if s_dtype is not None:
+            self.scale = nn.Parameter(torch.empty((n_experts, *s_shape), device=device, dtype=s_dtype), requires_grad=False)
+        else:
+            self.register_parameter("scale", None)
+
+    def dequantized(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """[len(ids) or E, out, in] logical weights of the given experts (all when ids is None)."""
+        w = self.weight if ids is None else self.weight[ids]
+        if self.scale is None:
+            return w.to(dtype)
+        s = self.scale if ids is None else self.scale[ids]
+        if self.storage == "fp4":
+            return formats.dequantize_fp4_weight(w.flatten(0, 1), s.flatten(0, 1)).view(
+                w.shape[0], self.out_features, self.in_features).to(dtype)
+        return torch.stack([formats.dequantize_fp8_weight(wi, si) for wi, si in zip(w, s)]).to(dtype)
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts stored stacked; checkpoint `experts.{e}.w1.weight` is row e of `experts.w1.weight`."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, storage: str, swiglu_limit: float, *,
+                 numerics: str, partial: bool = False, device=None, dtype=torch.bfloat16):
+        super().__init__()
+        kw = dict(numerics=numerics, device=device, dtype=dtype)
+        self.n_experts, self.numerics, self.swiglu_limit = n_experts, numerics, swiglu_limit
+        self.partial = partial
+        self.w1 = StackedWeight(n_experts, dim, inter_dim, storage, **kw)
+        self.w2 = StackedWeight(n_experts, inter_dim, dim, storage, **kw)
+        self.w3 = StackedWeight(n_experts, dim, inter_dim, storage, **kw)
+
+    def _activation(self, x: torch.Tensor) -> torch.Tensor:
+        # fp8 activation QDQ before every quantised GEMM (§6.3); reference math runs in fp32.
+        if self.w1.scale is not None:
+            return formats.fp8_qdq(x.float())
+        return x
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [n, D], weights/ids [n, A] (local expert ids, −1 = not on this rank) → Σ_pairs out [n, D] fp32."""
+        n, A = ids.shape
+        token = torch.arange(n, device=x.device).repeat_interleave(A)
+        expert, w = ids.flatten(), weights.flatten()
+        if self.partial:
+            # expert parallelism: drop the pairs another rank owns (a data-dependent size)
+            local = expert >= 0
+            token, expert, w = token[local], expert[local], w[local]
+        if expert.numel() == 0:
+            return x.new_zeros(n, x.shape[1], dtype=torch.float32)
+        if expert.numel() < self.n_experts:
+            out = self._gathered(x[token], expert, w)
+        else:
+            out = self._grouped(x[token], expert, w)
+        return torch.zeros(n, x.shape[1], device=x.device, dtype=torch.float32).index_add_(0, token, out.float())
+
+    def _mm_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return torch.float32 if self.w1.scale is not None else x.dtype
+
+    def _finish(self, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # the routing weight multiplies before w2, so it passes through w2's activation QDQ (trap 17)
+        h = (swiglu(gate, up, self.swiglu_limit) * w.unsqueeze(-1)).to(dtype)
+        return self._activation(h)
+
+    def _gathered(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        dt, out_dtype = self._mm_dtype(x), x.dtype
+        xa = self._activation(x).to(dt).unsqueeze(1)                                      # [P, 1, D]
+        gate = torch.bmm(xa, self.w1.dequantized(expert, dt).transpose(1, 2)).squeeze(1).to(out_dtype)
+        up = torch.bmm(xa, self.w3.dequantized(expert, dt).transpose(1, 2)).squeeze(1).to(out_dtype)
+        h = self._finish(gate, up, w, out_dtype).to(dt).unsqueeze(1)
+        return torch.bmm(h, self.w2.dequantized(expert, dt).transpose(1, 2)).squeeze(1).to(out_dtype)
+
+    def _grouped(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        dt, out_dtype = self._mm_dtype(x), x.dtype
+        order = torch.argsort(expert, stable=True)
+        offsets = torch.bincount(expert, minlength=self.n_experts).cumsum(0).to(torch.int32)
+        xs = self._activation(x[order]).to(dt)
+
+        def grouped(a: torch.Tensor, bank: StackedWeight) -> torch.Tensor:
+            return torch._grouped_mm(a, bank.dequantized(None, dt).transpose(1, 2), offs=offsets).to(out_dtype)
+
+        h = self._finish(grouped(xs, self.w1), grouped(xs, self.w3), w[order], out_dtype).to(dt)
+        out = torch.empty_like(x)
+        out[order] = grouped(h, self.w2)
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, inter_dim: int, n_experts: int, n_activated: int, route_scale: float,
+                 swiglu_limit: float, expert_storage: str, *, vision: bool, gate_temp: float = 1.0,
+                 numerics: str, device=None, dtype=torch.bfloat16, expert_range: tuple[int, int] | None = None):
+        super().__init__()
+        self.n_experts, self.topk, self.route_scale, self.gate_temp = n_experts, n_activated, route_scale, gate_temp
+        self.expert_range = expert_range or (0, n_experts)
+        kw = dict(numerics=numerics, device=device, dtype=dtype)
+        self.gate = Router(dim, n_experts, vision=vision, device=device)
+        local = self.expert_range[1] - self.expert_range[0]
+        self.experts = RoutedExperts(local, dim, inter_dim, expert_storage, swiglu_limit,
+                                     partial=local != n_experts, **kw)
+        self.shared_experts = Expert(dim, inter_dim, swiglu_limit, **kw)
+
+    def route(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
+        return route(x, self.gate.weight, self.gate.bias, self.topk, self.route_scale, gate_temp=self.gate_temp,
+                     bias_vl=self.gate.bias_vl, image_mask=image_mask)
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] (after ffn_norm) → [B, T, D]; image_mask [B, T] selects bias_vl."""
+        flat = x.flatten(0, 1)
+        weights, ids = self.route(flat, None if image_mask is None else image_mask.flatten())
+        lo, hi = self.expert_range
+        if self.experts.partial:
+            ids = torch.where((ids >= lo) & (ids < hi), ids - lo, -1)
+        y = self.experts(flat, weights, ids)
+        y = y + self.shared_experts(flat).float()
+        return y.to(x.dtype).view_as(x)
+
+
+class Router(nn.Module):
+    """`gate.weight [E, D]` (bf16), `gate.bias [E]` and, with vision, `gate.bias_vl [E]` (fp32)."""
+
+    def __init__(self, dim: int, n_experts: int, *, vision: bool, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, dim, device=device, dtype=torch.bfloat16), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(n_experts, device=device, dtype=torch.float32), requires_grad=False)
+        if vision:
+            self.bias_vl = nn.Parameter(torch.empty(n_experts, device=device, dtype=torch.float32), requires_grad=False)
+        else:
+            self.register_parameter("bias_vl", None)

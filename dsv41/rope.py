@@ -1,0 +1,70 @@
+"""Rotary position embedding on the last R features, adjacent pairs as complex numbers (§10).
+
+Shapes: T positions, R rope dim (the last R features of a vector).
+
+Layers with a compress ratio use θ = compress_rope_theta with YaRN; ratio-0 layers (and DSpark) use
+θ = rope_theta without YaRN. There is no mscale correction. Angles are fp32(p) · ω, computed for the
+positions a call needs (identical, element by element, to a precomputed table).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+
+
+def yarn_frequencies(rope_dim: int, theta: float, original_seq_len: int, factor: float,
+                     beta_fast: float, beta_slow: float) -> torch.Tensor:
+    """ω_i, i = 0 … R/2 − 1, in fp32; YaRN-blended when original_seq_len > 0 (§10)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if original_seq_len <= 0:
+        return freqs
+
+    def boundary(rotations: float) -> float:
+        # the feature pair whose wavelength makes `rotations` turns over the original context
+        return rope_dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(boundary(beta_fast)), 0)
+    high = min(math.ceil(boundary(beta_slow)), rope_dim - 1)
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    keep = 1 - ramp
+    return freqs / factor * (1 - keep) + freqs * keep
+
+
+class Rotary(nn.Module):
+    """One rotary table (its frequencies); `rotate` applies it at given absolute positions."""
+
+    def __init__(self, rope_dim: int, freqs: torch.Tensor):
+        super().__init__()
+        self.rope_dim = rope_dim
+        self.register_buffer("freqs", freqs, persistent=False)
+
+    @classmethod
+    def for_layer(cls, cfg: ModelConfig, ratio: int) -> "Rotary":
+        if ratio > 0:
+            freqs = yarn_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.original_seq_len,
+                                     cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
+        else:
+            freqs = yarn_frequencies(cfg.rope_head_dim, cfg.rope_theta, 0, 1.0, 0.0, 0.0)
+        return cls(cfg.rope_head_dim, freqs)
+
+    def phases(self, positions: torch.Tensor) -> torch.Tensor:
+        """complex64 [T, R/2] = exp(i · fp32(p) · ω)."""
+        angles = torch.outer(positions.to(self.freqs.device, torch.float32), self.freqs)
+        return torch.polar(torch.ones_like(angles), angles)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+        """Rotate the last R features of x [B, T, (heads,) F] at positions [T]; fp32 math, x.dtype out."""
+        if self.freqs.device.type == "meta" or x.device.type == "meta":
+            return x
+        phases = self.phases(positions).to(x.device)
+        if inverse:
+            phases = phases.conj()
+        shape = [1, positions.numel()] + [1] * (x.dim() - 3) + [self.rope_dim // 2]
+        tail = torch.view_as_complex(x[..., -self.rope_dim:].float().unflatten(-1, (-1, 2)).contiguous())
+        rotated = torch.view_as_real(tail * phases.view(shape)).flatten(-2).to(x.dtype)
+        return torch.cat([x[..., :-self.rope_dim], rotated], dim=-1)
