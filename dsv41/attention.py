@@ -22,7 +22,7 @@ from .cache import ModelCache
 from .compressor import Compressor
 from .config import ModelConfig
 from .indexer import Indexer, candidate_blocks, select_topk, visible_counts
-from .layers import Linear, RMSNorm
+from .layers import Linear, RMSNorm, dense_storage
 from .roles import LayerRole
 from .rope import Rotary
 
@@ -86,20 +86,21 @@ class Attention(nn.Module):
         self.candidate_topk_blocks, self.candidate_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
         self.softmax_scale = cfg.head_dim ** -0.5
         kw = dict(numerics=numerics, device=device, dtype=dtype)
+        dense = dense_storage(cfg)
         self.attn_sink = nn.Parameter(torch.empty(cfg.n_heads, device=device, dtype=torch.float32), requires_grad=False)
-        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, "fp8", **kw)
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, dense, **kw)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, device=device)
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, "fp8", **kw)
-        self.wkv = Linear(cfg.dim, cfg.head_dim, "fp8", **kw)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, dense, **kw)
+        self.wkv = Linear(cfg.dim, cfg.head_dim, dense, **kw)
         self.kv_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device=device)
         # wo_a is used in a grouped einsum, not a quantised GEMM: held in bf16 (§6.2).
-        self.wo_a = Linear(cfg.group_width, cfg.o_groups * cfg.o_lora_rank, "bf16", **kw)
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, "fp8", **kw)
+        self.wo_a = Linear(cfg.group_width, cfg.o_groups * cfg.o_lora_rank, "bf16", stored_as=dense, **kw)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dense, **kw)
         self.rotary = Rotary.for_layer(cfg, role.ratio)
         self.compressor = (Compressor(cfg.dim, cfg.head_dim, role.ratio, cfg.norm_eps, **kw)
                            if role.is_kv_source else None)
         self.indexer = (Indexer(cfg.dim, cfg.q_lora_rank, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim,
-                                cfg.norm_eps, owns_keys=role.is_kv_source, **kw)
+                                cfg.norm_eps, owns_keys=role.is_kv_source, dense=dense, **kw)
                         if role.is_index_source else None)
 
     # -------------------------------------------------------------------------------- numerics

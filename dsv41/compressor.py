@@ -25,9 +25,10 @@ class Compressor(nn.Module):
         self.ratio = ratio
         # r > 1 pools in fp32, so its weights are held in fp32 (CHECKPOINT.md §3.3).
         storage = "fp32" if ratio > 1 else "bf16"
-        self.wkv = Linear(dim, head_dim, storage, numerics=numerics, device=device, dtype=dtype)
+        kw = dict(numerics=numerics, device=device, dtype=dtype, stored_as="bf16")
+        self.wkv = Linear(dim, head_dim, storage, **kw)
         if ratio > 1:
-            self.wgate = Linear(dim, head_dim, storage, numerics=numerics, device=device, dtype=dtype)
+            self.wgate = Linear(dim, head_dim, storage, **kw)
         self.norm = RMSNorm(head_dim, norm_eps, device=device)
 
     def forward(self, x: torch.Tensor, start_pos: int, state: SourceState) -> tuple[torch.Tensor, int]:

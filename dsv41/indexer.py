@@ -30,10 +30,11 @@ def visible_counts(start_pos: int, length: int, ratio: int, device=None) -> torc
 
 class Indexer(nn.Module):
     def __init__(self, dim: int, q_lora_rank: int, head_dim: int, n_heads: int, index_head_dim: int,
-                 norm_eps: float, *, owns_keys: bool, numerics: str, device=None, dtype=torch.bfloat16):
+                 norm_eps: float, *, owns_keys: bool, numerics: str, dense: str = "fp8", device=None,
+                 dtype=torch.bfloat16):
         super().__init__()
         self.n_heads, self.head_dim, self.numerics = n_heads, index_head_dim, numerics
-        self.wq_b = Linear(q_lora_rank, n_heads * index_head_dim, "fp8", numerics=numerics, device=device, dtype=dtype)
+        self.wq_b = Linear(q_lora_rank, n_heads * index_head_dim, dense, numerics=numerics, device=device, dtype=dtype)
         self.weights_proj = Linear(dim, n_heads, "bf16", numerics=numerics, device=device, dtype=dtype)
         self.owns_keys = owns_keys
         if owns_keys:

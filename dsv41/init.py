@@ -13,6 +13,7 @@ from torch import nn
 
 from . import formats
 from .layers import Embedding, Head, Linear, RMSNorm
+from .engram.table import EngramTable
 from .moe import Router, StackedWeight
 
 
@@ -34,9 +35,21 @@ def _store_matrix(param_w: nn.Parameter, param_s: nn.Parameter | None, storage: 
         param_s.data.copy_(s)
 
 
+def representable(w: torch.Tensor, stored_as: str) -> torch.Tensor:
+    """w rounded through the checkpoint's format, so saving a random model is exact."""
+    if stored_as == "fp8":
+        return formats.dequantize_fp8_weight(*formats.quantize_fp8_weight(w))
+    if stored_as == "fp4":
+        return formats.dequantize_fp4_weight(*formats.quantize_fp4_weight(w))
+    if stored_as == "bf16":
+        return w.to(torch.bfloat16).float()
+    return w
+
+
 def init_linear(m: Linear, gen: torch.Generator, std: float | None = None) -> None:
     std = std if std is not None else m.in_features ** -0.5
-    _store_matrix(m.weight, m.scale, m.storage, _normal((m.out_features, m.in_features), std, gen))
+    w = representable(_normal((m.out_features, m.in_features), std, gen), m.stored_as)
+    _store_matrix(m.weight, m.scale, m.storage, w)
 
 
 def init_stacked(m: StackedWeight, gen: torch.Generator) -> None:
@@ -62,8 +75,9 @@ def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
         elif isinstance(module, RMSNorm):
             module.weight.data.copy_((1 + 0.1 * _normal(module.weight.shape, 1.0, gen)).to(module.weight.dtype))
         elif isinstance(module, (Embedding, Head)):
-            module.weight.data.copy_(_normal(module.weight.shape, 1.0 if isinstance(module, Embedding)
-                                             else module.weight.shape[1] ** -0.5, gen).to(module.weight.dtype))
+            std = 1.0 if isinstance(module, Embedding) else module.weight.shape[1] ** -0.5
+            # both are bf16 in the checkpoint (the head is held in fp32)
+            module.weight.data.copy_(_normal(module.weight.shape, std, gen).to(torch.bfloat16).to(module.weight.dtype))
         elif isinstance(module, Router):
             module.weight.data.copy_(_normal(module.weight.shape, module.weight.shape[1] ** -0.5, gen).to(torch.bfloat16))
             module.bias.data.copy_(0.1 * _normal(module.bias.shape, 1.0, gen))
@@ -82,7 +96,14 @@ def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
         elif leaf in ("q_weight", "k_weight"):
             p.data.copy_((1 + 0.1 * _normal(p.shape, 1.0, gen)).to(p.dtype))
     for module in model.modules():
-        init_table = getattr(module, "init_random_", None)
-        if init_table is not None and module is not model:
-            init_table(gen)
+        if isinstance(module, EngramTable):
+            init_engram_table(module, gen)
     return model
+
+
+def init_engram_table(table: EngramTable, gen: torch.Generator) -> None:
+    """Random rows stored as e4m3 with one ue8m0 scale per 32 values of a row (CHECKPOINT.md §2)."""
+    rows = _normal((table.rows, table.head_dim // 32, 32), 1.0, gen)
+    scale = formats.pow2_ceil(rows.abs().amax(-1, keepdim=True).clamp(min=1e-4) / formats.FP8_MAX)
+    table.weight.data.copy_((rows / scale).flatten(1).to(torch.float8_e4m3fn))
+    table.scale.data.copy_(formats.float_to_e8m0(scale.squeeze(-1)))

@@ -58,14 +58,21 @@ def stored_dtypes(storage: str, numerics: str, compute_dtype: torch.dtype) -> tu
     return compute_dtype, None
 
 
+def dense_storage(cfg) -> str:
+    """Storage of the dense Linears: `dtype` of the config ("fp8" in the release, CHECKPOINT.md §3)."""
+    return "fp8" if cfg.dtype == "fp8" else "bf16"
+
+
 class Linear(nn.Module):
     """y = x Wᵀ with W in one of the release's storage formats (no bias anywhere in the text model)."""
 
     def __init__(self, in_features: int, out_features: int, storage: str = "fp8", *, numerics: str = "reference",
-                 device=None, dtype: torch.dtype = torch.bfloat16):
+                 device=None, dtype: torch.dtype = torch.bfloat16, stored_as: str | None = None):
         super().__init__()
         if storage not in STORAGES:
             raise ValueError(f"unknown Linear storage {storage!r}; expected one of {STORAGES}")
+        # The checkpoint's format when it differs from the module's (wo_a: fp8 stored, bf16 held).
+        self.stored_as = stored_as or storage
         if storage == "fp4" and in_features % 32:
             raise ValueError(f"fp4 Linear needs in_features divisible by 32, got {in_features}")
         self.in_features, self.out_features = in_features, out_features

@@ -20,7 +20,7 @@ from . import hyper
 from .attention import Attention, ForwardState
 from .cache import ModelCache, create_cache
 from .config import ModelConfig, RuntimeConfig
-from .layers import Embedding, Head, RMSNorm
+from .layers import Embedding, Head, RMSNorm, dense_storage
 from .moe import MoE
 from .roles import LayerRole, derive_roles
 
@@ -37,7 +37,8 @@ class Block(nn.Module):
         n_experts, n_active = ((cfg.dspark_n_routed_experts, cfg.dspark_n_activated_experts) if role.is_dspark
                                else (cfg.n_routed_experts, cfg.n_activated_experts))
         self.ffn = MoE(cfg.dim, cfg.moe_inter_dim, n_experts, n_active, cfg.route_scale, cfg.swiglu_limit,
-                       cfg.expert_dtype, vision=cfg.vision_enabled, gate_temp=cfg.gate_temp, **kw)
+                       cfg.expert_dtype, vision=cfg.vision_enabled, gate_temp=cfg.gate_temp,
+                       dense_storage=dense_storage(cfg), **kw)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         width, flat = cfg.hc_mix_width, cfg.hc_mult * cfg.dim
@@ -48,7 +49,7 @@ class Block(nn.Module):
         self.engram = None
         if role.has_engram:
             from .engram import Engram
-            self.engram = Engram(cfg, role.engram_index, numerics=numerics, device=device, dtype=dtype)
+            self.engram = Engram(cfg, role.engram_index, numerics=numerics, device=device)
 
     def _mixes(self, x: torch.Tensor, sub: str):
         return hyper.mixes(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),

@@ -50,13 +50,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 class Expert(nn.Module):
     """The shared expert: SwiGLU with fp8 weights w1 (gate), w3 (up), w2 (down)."""
 
-    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float, *, numerics: str, device=None,
-                 dtype=torch.bfloat16):
+    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float, *, numerics: str, storage: str = "fp8",
+                 device=None, dtype=torch.bfloat16):
         super().__init__()
         kw = dict(numerics=numerics, device=device, dtype=dtype)
-        self.w1 = Linear(dim, inter_dim, "fp8", **kw)
-        self.w2 = Linear(inter_dim, dim, "fp8", **kw)
-        self.w3 = Linear(dim, inter_dim, "fp8", **kw)
+        self.w1 = Linear(dim, inter_dim, storage, **kw)
+        self.w2 = Linear(inter_dim, dim, storage, **kw)
+        self.w3 = Linear(dim, inter_dim, storage, **kw)
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,23 +145,41 @@ class RoutedExperts(nn.Module):
         return torch.bmm(h, self.w2.dequantized(expert, dt).transpose(1, 2)).squeeze(1).to(out_dtype)
 
     def _grouped(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        dt, out_dtype = self._mm_dtype(x), x.dtype
+        out_dtype = x.dtype
         order = torch.argsort(expert, stable=True)
-        offsets = torch.bincount(expert, minlength=self.n_experts).cumsum(0).to(torch.int32)
-        xs = self._activation(x[order]).to(dt)
-
-        def grouped(a: torch.Tensor, bank: StackedWeight) -> torch.Tensor:
-            return torch._grouped_mm(a, bank.dequantized(None, dt).transpose(1, 2), offs=offsets).to(out_dtype)
-
-        h = self._finish(grouped(xs, self.w1), grouped(xs, self.w3), w[order], out_dtype).to(dt)
+        ends = torch.bincount(expert, minlength=self.n_experts).cumsum(0)
+        xs = self._activation(x[order])
+        gate, up = self._grouped_mm(xs, self.w1, ends), self._grouped_mm(xs, self.w3, ends)
+        h = self._finish(gate, up, w[order], out_dtype)
         out = torch.empty_like(x)
-        out[order] = grouped(h, self.w2)
+        out[order] = self._grouped_mm(h, self.w2, ends)
+        return out
+
+    def _grouped_mm(self, a: torch.Tensor, bank: StackedWeight, ends: torch.Tensor) -> torch.Tensor:
+        """Rows of a sorted by expert, expert e owning rows [ends[e−1], ends[e]) → a_e · W_eᵀ, bf16.
+
+        On an accelerator: one grouped GEMM with device-side offsets (no host sync). On the CPU the
+        offsets are already host memory, and a loop over the experts that have rows is several times
+        faster than torch's CPU grouped kernel and dequantises only those experts.
+        """
+        dt, out_dtype = self._mm_dtype(a), torch.bfloat16 if self.w1.scale is not None else a.dtype
+        if a.device.type != "cpu":
+            weights = bank.dequantized(None, dt).transpose(1, 2)
+            return torch._grouped_mm(a.to(dt), weights, offs=ends.to(torch.int32)).to(out_dtype)
+        out = a.new_empty(a.shape[0], bank.out_features, dtype=out_dtype)
+        start = 0
+        for e, end in enumerate(ends.tolist()):
+            if end > start:
+                w_e = bank.dequantized(torch.tensor([e]), dt)[0]
+                out[start:end] = (a[start:end].to(dt) @ w_e.t()).to(out_dtype)
+            start = end
         return out
 
 
 class MoE(nn.Module):
     def __init__(self, dim: int, inter_dim: int, n_experts: int, n_activated: int, route_scale: float,
                  swiglu_limit: float, expert_storage: str, *, vision: bool, gate_temp: float = 1.0,
+                 dense_storage: str = "fp8",
                  numerics: str, device=None, dtype=torch.bfloat16, expert_range: tuple[int, int] | None = None):
         super().__init__()
         self.n_experts, self.topk, self.route_scale, self.gate_temp = n_experts, n_activated, route_scale, gate_temp
@@ -171,7 +189,7 @@ class MoE(nn.Module):
         local = self.expert_range[1] - self.expert_range[0]
         self.experts = RoutedExperts(local, dim, inter_dim, expert_storage, swiglu_limit,
                                      partial=local != n_experts, **kw)
-        self.shared_experts = Expert(dim, inter_dim, swiglu_limit, **kw)
+        self.shared_experts = Expert(dim, inter_dim, swiglu_limit, storage=dense_storage, **kw)
 
     def route(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
         return route(x, self.gate.weight, self.gate.bias, self.topk, self.route_scale, gate_temp=self.gate_temp,

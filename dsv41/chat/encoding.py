@@ -508,8 +508,10 @@ def encode_messages(
 ) -> str | tuple[str, dict]:
     if thinking_mode not in THINKING_MODES:
         raise ValueError(f"thinking_mode must be one of {THINKING_MODES}; got {thinking_mode!r}")
-    effort = resolve_reasoning_effort(reasoning_effort)
+    effort = resolve_reasoning_effort(reasoning_effort)  # checked in chat mode too, as the ports do
     context_messages = _preprocess(context or [])
+    # Context and new messages are merged separately but ordered together: a result in the new
+    # turn follows the calls of an assistant message that may sit in the context.
     full = sort_tool_results(context_messages + _preprocess(messages))
     n_context = len(context_messages)
     thinking = thinking_mode == "thinking"

@@ -152,9 +152,9 @@ def _check_split(spec: TensorSpec, rule: ShardRule, cfg: ModelConfig, inventory:
     if units % world_size:
         raise ShardingError(f"cannot split {spec.name} dim {rule.dim} over world size {world_size}: it holds "
                             f"{rule.unit} = {units} units, which do not divide by {world_size} (CHECKPOINT.md §5)")
-    scale = inventory.get(_module_path(spec.name) + ".scale")
-    if spec.name.endswith(".weight") and scale is not None and scale.shape[rule.dim] * BLOCK == spec.shape[rule.dim]:
-        # 32×32 block scales: each rank's part of the weight must start on a block boundary.
+    has_scale = _module_path(spec.name) + ".scale" in inventory
+    if spec.name.endswith(".weight") and has_scale and world_size > 1:
+        # 32×32 block scales are cut with their weight, so each rank's part must be whole blocks.
         part = spec.shape[rule.dim] // world_size
         if part % BLOCK:
             raise ShardingError(f"cannot split {spec.name} dim {rule.dim} over world size {world_size}: each rank "

@@ -1,0 +1,239 @@
+"""Load a model from a released-layout directory, and save one in the same layout (CHECKPOINT.md).
+
+Module state names are the checkpoint's names, with one exception: routed experts are stacked, so the
+checkpoint's `…ffn.experts.{e}.w1.weight` is row e of the module's `…ffn.experts.w1.weight`. Every tensor
+is converted from its stored format to the format the module holds, by one rule (`to_module_format`):
+quantised → quantised is a copy, quantised → float dequantises (wo_a to bf16, everything under `fast`
+numerics), float → float casts (ratio-2 compressor and head to fp32). Saving applies the inverse rule
+(`to_stored_format`), which is exact for weights that came from the stored format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import formats
+from ..config import ModelConfig, RuntimeConfig
+from .inventory import released_inventory
+from .progress import byte_progress
+from .safetensors_io import CheckpointDir, CheckpointError
+from .spec import TensorSpec, torch_dtype
+from .writer import DEFAULT_MAX_SHARD_BYTES, save_checkpoint
+
+_STACKED = re.compile(r"^(?P<prefix>.+\.ffn\.experts)\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
+_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.ffn\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
+
+# Families of the release a text model does not hold (loaded when those parts exist; CHECKPOINT.md §3).
+VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
+DSPARK_PREFIX = "mtp."
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+# -------------------------------------------------------------------------------------- conversions
+def to_module_format(weight: torch.Tensor, scale: torch.Tensor | None, target: torch.Tensor) -> torch.Tensor:
+    """A stored weight (+ its scale) → the dtype the module parameter `target` holds (dequantise or cast)."""
+    if scale is None or target.dtype == weight.dtype:
+        return weight.to(target.dtype) if target.dtype != weight.dtype else weight
+    if weight.dtype == torch.int8:
+        return formats.dequantize_fp4_weight(weight, scale).to(target.dtype)
+    return formats.dequantize_fp8_weight(weight, scale).to(target.dtype)
+
+
+def to_stored_format(value: torch.Tensor, weight: TensorSpec, scale: TensorSpec | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A module tensor → (stored weight, stored scale) in the checkpoint's formats."""
+    want = torch_dtype(weight.dtype)
+    if value.dtype == want:
+        return value, None
+    if scale is None:
+        return value.to(want), None
+    if weight.dtype == "I8":
+        return formats.quantize_fp4_weight(value.float())
+    return formats.quantize_fp8_weight(value.float())
+
+
+# -------------------------------------------------------------------------------------- name mapping
+def _module_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.state_dict(keep_vars=True))
+
+
+def stored_names(module_name: str, n_experts: int, first_expert: int = 0) -> list[str]:
+    """Checkpoint names that make up one module tensor (one, or one per expert for stacked experts)."""
+    m = _STACKED.match(module_name)
+    if not m:
+        return [module_name]
+    return [f"{m['prefix']}.{first_expert + e}.{m['proj']}.{m['kind']}" for e in range(n_experts)]
+
+
+def module_name_of(stored_name: str) -> str:
+    m = _PER_EXPERT.match(stored_name)
+    return f"{m['prefix']}.{m['proj']}.{m['kind']}" if m else stored_name
+
+
+def skipped_family(name: str, model: nn.Module) -> bool:
+    """Stored tensors a text model legitimately leaves on disk: vision, and DSpark when not built."""
+    if name.startswith(VISION_PREFIXES):
+        return True
+    return name.startswith(DSPARK_PREFIX) and not hasattr(model, "mtp")
+
+
+# -------------------------------------------------------------------------------------- loading
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        owner._buffers[leaf] = value
+
+
+def _is_scale_of_quantized(name: str, tensors: dict[str, torch.Tensor]) -> bool:
+    return name.endswith(".scale") and name[: -len("scale")] + "weight" in tensors and not name.endswith(
+        ("hc_attn_scale", "hc_ffn_scale"))
+
+
+def load_into(model: nn.Module, ckpt: CheckpointDir, *, device: str | torch.device = "cpu",
+              engram_on_disk: bool = False, progress: bool | None = None) -> list[str]:
+    """Materialise every module tensor of `model` (built on the meta device) from `ckpt`.
+
+    Returns the stored names it left on disk (vision, DSpark when not built). Raises CheckpointError
+    before touching the model if any module tensor has no stored source.
+    """
+    tensors = _module_tensors(model)
+    plan: list[tuple[str, list[str], list[str] | None]] = []
+    missing = []
+    for name, target in tensors.items():
+        if _is_scale_of_quantized(name, tensors):
+            continue
+        n_stack = target.shape[0] if _STACKED.match(name) else 1
+        sources = stored_names(name, n_stack)
+        scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
+        scales = stored_names(scale_name, n_stack) if scale_name else None
+        if scales and not all(s in ckpt for s in scales):
+            scales = None
+        missing += [s for s in sources if s not in ckpt]
+        plan.append((name, sources, scales))
+    if missing:
+        raise CheckpointError(f"checkpoint at {ckpt.directory} lacks {len(missing)} tensor(s) the model needs: "
+                              f"{', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
+    used = {s for _, srcs, scs in plan for s in srcs + (scs or [])}
+    left = [n for n in ckpt.names() if n not in used]
+    stray = [n for n in left if not skipped_family(n, model)]
+    if stray:
+        raise CheckpointError(f"checkpoint at {ckpt.directory} has {len(stray)} tensor(s) this model has no place "
+                              f"for: {', '.join(stray[:5])}{' …' if len(stray) > 5 else ''}")
+    total = sum(ckpt.spec(s).nbytes for s in used)
+    with byte_progress(total, "loading", enabled=progress) as bar:
+        for name, sources, scales in plan:
+            _load_one(model, tensors, name, sources, scales, ckpt, device, engram_on_disk)
+            bar.update(sum(ckpt.spec(s).nbytes for s in sources + (scales or [])))
+    return left
+
+
+def _load_one(model, tensors, name, sources, scales, ckpt, device, engram_on_disk) -> None:
+    target = tensors[name]
+    if engram_on_disk and name.endswith(".engram.embed.weight"):
+        table = model.get_submodule(name[: -len(".weight")])
+        table.attach(ckpt.tensor(sources[0]), ckpt.tensor(scales[0]), movable=False)
+        return
+    stacked = _STACKED.match(name) is not None
+    weight = torch.stack([ckpt.tensor(s) for s in sources]) if stacked else ckpt.tensor(sources[0])
+    scale = None
+    if scales:
+        scale = torch.stack([ckpt.tensor(s) for s in scales]) if stacked else ckpt.tensor(scales[0])
+    if scale is not None and target.dtype == weight.dtype:
+        scale_name = name[: -len("weight")] + "scale"
+        _set_tensor(model, scale_name, scale.to(device, copy=True))
+        value = weight.to(device, copy=True)
+    elif stacked and scale is not None:
+        value = torch.stack([to_module_format(w, s, target) for w, s in zip(weight, scale)]).to(device)
+    else:
+        value = to_module_format(weight, scale, target).to(device, copy=True)
+    if tuple(value.shape) != tuple(target.shape):
+        raise CheckpointError(f"{name}: stored tensors give shape {tuple(value.shape)}, the model holds "
+                              f"{tuple(target.shape)}")
+    _set_tensor(model, name, value.contiguous())
+
+
+def load_model(path: str | Path, runtime: RuntimeConfig | None = None, *, device: str = "cpu",
+               engram_on_disk: bool = False, progress: bool | None = None):
+    """Build a Transformer from a released-layout directory (config.json, index + shards, tokenizer.json).
+
+    The checkpoint is validated against the layout the config implies before anything is read; the
+    model is built on the meta device and each tensor is materialised once, from the memory map, in
+    its final format. `engram_on_disk` keeps the Engram tables memory-mapped (only looked-up rows are
+    ever read).
+    """
+    from ..model import Transformer
+
+    path = Path(path)
+    cfg = ModelConfig.from_json(path / "config.json")
+    runtime = runtime or RuntimeConfig(device=device)
+    ckpt = CheckpointDir(path)
+    ckpt.validate_against(released_inventory(cfg))
+    token_map = _token_map(path, cfg)
+    model = Transformer(cfg, runtime, device="meta")
+    load_into(model, ckpt, device=device, engram_on_disk=engram_on_disk, progress=progress)
+    model.to(device)                                  # the rotary frequencies; pinned Engram tables stay
+    if token_map is not None:
+        model.set_token_map(token_map.to(device))
+    return model.eval()
+
+
+def _token_map(path: Path, cfg: ModelConfig):
+    if not cfg.engram_layer_ids:
+        return None
+    tokenizer = path / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise CheckpointError(f"{path}: the model has Engram layers, whose hash needs tokenizer.json, "
+                              f"which the directory lacks")
+    from ..engram import load_or_build_token_map
+    return load_or_build_token_map(tokenizer, cfg.engram_compressed_vocab_size)
+
+
+# -------------------------------------------------------------------------------------- saving
+def stored_tensors(model: nn.Module, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(stored name, tensor) for every tensor of the released layout the model holds, in layout order."""
+    tensors = _module_tensors(model)
+    inventory = released_inventory(cfg)
+    for stored, spec in inventory.items():
+        if skipped_family(stored, model) or (stored.endswith(".scale") and stored[:-5] + "weight" in inventory):
+            continue                                         # scales are written with their weight
+        module_name = module_name_of(stored)
+        if module_name not in tensors:
+            raise CheckpointError(f"the model has no tensor for {stored} (expected {module_name})")
+        expert = _PER_EXPERT.match(stored)
+        pick = (lambda t: t[int(expert["expert"])]) if expert else (lambda t: t)
+        value = pick(tensors[module_name].detach())
+        scale_spec = inventory.get(stored[:-6] + "scale") if stored.endswith(".weight") else None
+        held_scale = tensors.get(module_name[:-6] + "scale") if module_name.endswith(".weight") else None
+        if held_scale is not None and scale_spec is not None:
+            weight, scale = value, pick(held_scale.detach())
+        else:
+            weight, scale = to_stored_format(value, spec, scale_spec)
+        yield stored, weight.cpu().contiguous()
+        if scale_spec is not None:
+            yield scale_spec.name, scale.cpu().contiguous()
+
+
+def save_model(model, directory: str | Path, *, tokenizer: str | Path | None = None,
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write config.json, the shards + index in the released layout, and the tokenizer files."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(directory, stored_tensors(model, model.cfg), max_shard_bytes=max_shard_bytes)
+    (directory / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n")
+    if tokenizer is not None:
+        source = Path(tokenizer)
+        source_dir = source if source.is_dir() else source.parent
+        for name in TOKENIZER_FILES:
+            if (source_dir / name).is_file() and (source_dir / name).resolve() != (directory / name).resolve():
+                shutil.copyfile(source_dir / name, directory / name)
+    return directory
