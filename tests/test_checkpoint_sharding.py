@@ -40,7 +40,8 @@ def test_split_rows_of_the_table(name, dim):
 @pytest.mark.parametrize("name", [
     "layers.3.attn.wq_a.weight", "layers.3.attn.wq_a.scale", "layers.3.attn.wkv.weight", "layers.3.attn.q_norm.weight",
     "layers.3.attn.kv_norm.weight", "layers.3.attn_norm.weight", "norm.weight",
-    "layers.2.attn.compressor.wkv.weight", "layers.2.attn.compressor.wgate.weight", "layers.2.attn.compressor.norm.weight",
+    "layers.2.attn.compressor.wkv.weight", "layers.2.attn.compressor.wgate.weight",
+    "layers.2.attn.compressor.norm.weight",
     "layers.2.attn.indexer.wk.weight", "layers.2.attn.indexer.k_norm.weight",
     "layers.3.ffn.gate.weight", "layers.3.ffn.gate.bias", "layers.3.ffn.gate.bias_vl",
     "layers.3.ffn.shared_experts.w1.weight", "layers.3.ffn.shared_experts.w2.scale",

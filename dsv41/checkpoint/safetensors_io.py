@@ -87,7 +87,8 @@ def _read_header_json(path: Path) -> tuple[dict, int, int]:
         with open(path, "rb") as f:
             file_size = os.fstat(f.fileno()).st_size
             if file_size < HEADER_LENGTH_BYTES:
-                raise CheckpointError(f"{path.name} is truncated: {file_size} bytes, shorter than the header length field")
+                raise CheckpointError(f"{path.name} is truncated: {file_size} bytes, shorter than the "
+                                      f"header length field")
             (n,) = struct.unpack("<Q", f.read(HEADER_LENGTH_BYTES))
             if n > MAX_HEADER_BYTES:
                 raise CheckpointError(f"{path.name}: header length {n} is implausible (not a safetensors file?)")
@@ -168,6 +169,8 @@ class CheckpointDir:
 
     def __init__(self, path: str | Path):
         path = Path(path)
+        if not path.exists():
+            raise CheckpointError(f"{path} does not exist")
         self.directory = path if path.is_dir() else path.parent
         self.index_metadata: dict = {}
         if path.is_file() and path.name != INDEX_NAME:

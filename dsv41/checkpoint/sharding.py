@@ -141,58 +141,59 @@ def rank_slice(name: str, shape: tuple[int, ...], rank: int, world_size: int, *,
 
 
 # ---------------------------------------------------------------------------------------- world size
-def _unit_count(cfg: ModelConfig, unit: str) -> int:
-    return getattr(cfg, unit)
+@dataclass(frozen=True)
+class _Cuts:
+    """What a world size must divide: each split tensor (with its rule and whether it has block scales)
+    and each distinct routed-expert count (with one tensor to name in errors)."""
+
+    splits: tuple[tuple[TensorSpec, ShardRule, bool], ...]
+    experts: dict[int, str]
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, inventory: dict[str, TensorSpec]) -> "_Cuts":
+        splits, experts = [], {}
+        for spec in inventory.values():
+            rule = shard_rule(spec.name)
+            if rule.kind == SPLIT:
+                blocked = spec.name.endswith(".weight") and _module_path(spec.name) + ".scale" in inventory
+                splits.append((spec, rule, blocked))
+            elif rule.kind == EXPERT:
+                experts.setdefault(routed_expert_count(spec.name, cfg), spec.name)
+        return cls(tuple(splits), experts)
+
+    def check(self, cfg: ModelConfig, world_size: int) -> None:
+        if world_size < 1:
+            raise ShardingError(f"world size must be positive, got {world_size}")
+        for spec, rule, blocked in self.splits:
+            _check_split(spec, rule, blocked, cfg, world_size)
+        for n, name in self.experts.items():
+            _even_part(name, "routed experts", n, 0, world_size)
 
 
-def _check_split(spec: TensorSpec, rule: ShardRule, cfg: ModelConfig, inventory: dict[str, TensorSpec],
-                 world_size: int) -> None:
+def _check_split(spec: TensorSpec, rule: ShardRule, blocked: bool, cfg: ModelConfig, world_size: int) -> None:
     _even_part(spec.name, f"dim {rule.dim}", spec.shape[rule.dim], 0, world_size)
-    units = _unit_count(cfg, rule.unit)
+    units = getattr(cfg, rule.unit)
     if units % world_size:
         raise ShardingError(f"cannot split {spec.name} dim {rule.dim} over world size {world_size}: it holds "
                             f"{rule.unit} = {units} units, which do not divide by {world_size} (CHECKPOINT.md §5)")
-    has_scale = _module_path(spec.name) + ".scale" in inventory
-    if spec.name.endswith(".weight") and has_scale and world_size > 1:
+    part = spec.shape[rule.dim] // world_size
+    if blocked and world_size > 1 and part % BLOCK:
         # 32×32 block scales are cut with their weight, so each rank's part must be whole blocks.
-        part = spec.shape[rule.dim] // world_size
-        if part % BLOCK:
-            raise ShardingError(f"cannot split {spec.name} dim {rule.dim} over world size {world_size}: each rank "
-                                f"would get {part}, not a multiple of the {BLOCK}-wide scale blocks")
+        raise ShardingError(f"cannot split {spec.name} dim {rule.dim} over world size {world_size}: each rank "
+                            f"would get {part}, not a multiple of the {BLOCK}-wide scale blocks")
 
 
-def _cut_tensors(cfg: ModelConfig, inventory: dict[str, TensorSpec]):
-    """The split tensors with their rules, and one example tensor per distinct routed-expert count."""
-    splits, experts = [], {}
-    for spec in inventory.values():
-        rule = shard_rule(spec.name)
-        if rule.kind == SPLIT:
-            splits.append((spec, rule))
-        elif rule.kind == EXPERT:
-            experts.setdefault(routed_expert_count(spec.name, cfg), spec.name)
-    return splits, experts
-
-
-def check_world_size(cfg: ModelConfig, world_size: int, inventory: dict[str, TensorSpec] | None = None,
-                     *, _cut=None) -> None:
+def check_world_size(cfg: ModelConfig, world_size: int, inventory: dict[str, TensorSpec] | None = None) -> None:
     """Raise ShardingError naming the first tensor and dim that `world_size` cannot cut."""
-    if world_size < 1:
-        raise ShardingError(f"world size must be positive, got {world_size}")
-    inventory = released_inventory(cfg) if inventory is None else inventory
-    splits, experts = _cut_tensors(cfg, inventory) if _cut is None else _cut
-    for spec, rule in splits:
-        _check_split(spec, rule, cfg, inventory, world_size)
-    for n, name in experts.items():
-        _even_part(name, "routed experts", n, 0, world_size)
+    _Cuts.of(cfg, released_inventory(cfg) if inventory is None else inventory).check(cfg, world_size)
 
 
 def allowed_world_sizes(cfg: ModelConfig, candidates=range(1, 65)) -> list[int]:
-    inventory = released_inventory(cfg)
-    cut = _cut_tensors(cfg, inventory)
+    cuts = _Cuts.of(cfg, released_inventory(cfg))
     ok = []
     for ws in candidates:
         try:
-            check_world_size(cfg, ws, inventory, _cut=cut)
+            cuts.check(cfg, ws)
         except ShardingError:
             continue
         ok.append(ws)

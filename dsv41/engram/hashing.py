@@ -193,7 +193,7 @@ def lookback_tokens(history: EngramHistory, start_pos: int, T: int, B: int, pad:
     bad = before_start[None] | (src == DEAD)
     # Latch: blocked_k = OR over j <= k of bad_j; a running max over k of the 0/1 flag.
     blocked = bad.to(torch.uint8).cummax(dim=-1).values.bool()
-    return torch.where(blocked, torch.full_like(src, pad), src)
+    return src.masked_fill(blocked, pad)
 
 
 def hash_compressed(layout: EngramLayout, compressed: torch.Tensor, start_pos: int, history: EngramHistory,
@@ -205,7 +205,7 @@ def hash_compressed(layout: EngramLayout, compressed: torch.Tensor, start_pos: i
     primes, offsets, mults = tables if tables is not None else layout.tensors(history.ids.device)
     c = compressed.to(device=history.ids.device, dtype=torch.int64)
     if text_mask is not None:
-        c = torch.where(text_mask.to(c.device), c, torch.full_like(c, DEAD))
+        c = c.masked_fill(~text_mask.to(c.device), DEAD)
     history.ids[:B, start_pos:start_pos + T] = c  # §4 step 1
     K, heads = layout.max_ngram_size, layout.n_heads
     tok = lookback_tokens(history, start_pos, T, B, pad, K)  # [B, T, K]
@@ -214,8 +214,10 @@ def hash_compressed(layout: EngramLayout, compressed: torch.Tensor, start_pos: i
     for k in range(1, K):  # R_n = R_{n-1} XOR prod_{n-1}: K - 1 orders, no 1-gram (§4 step 4)
         rolling.append(rolling[-1] ^ prod[..., k])
     R = torch.stack(rolling[1:], dim=-1)  # [B, T, E, K-1], order n = index + 2
-    R = R.repeat_interleave(heads, dim=-1)  # [B, T, E, N], column c = (n-2)·heads + h
-    return R % primes + offsets  # all operands non-negative, so % is the plain remainder (§4 step 5)
+    # Column c = (n-2)·heads + h: each order's hash against its `heads` primes. All operands are
+    # non-negative, so % is the plain remainder (§4 step 5).
+    buckets = R[..., None] % primes.view(-1, K - 1, heads)  # [B, T, E, K-1, heads]
+    return buckets.flatten(-2) + offsets  # [B, T, E, N]
 
 
 def _check_call(history: EngramHistory, B: int, start_pos: int, T: int) -> None:

@@ -1,0 +1,141 @@
+"""The built-in demo model: a small DeepSeek-V4.1-architecture checkpoint with random weights.
+
+It covers every layer role of the release (window layers, ratio-2 and ratio-1 kv sources and their
+consumers, index sources, the candidate source and a candidate user, two Engram layers, 4 streams, MoE
+with fp4 experts and fp8 dense weights) and a byte-level BPE tokenizer trained with `tokenizers` on a
+built-in text, with the release's special tokens (BOS 0, EOS 1, pad 2). It is created deterministically
+on first use, written through the real writer in the released layout into a user cache directory, and
+then loaded through the real loader, so the demo takes exactly the path a released checkpoint takes.
+Its weights are random: its text is not language.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .chat import encoding
+
+DEMO_NAME = "demo-v1"
+DEMO_SEED = 20261129
+DEMO_VOCAB = 1024
+# Prompt-format special tokens (TOKENIZER-AND-CHAT.md §1.1); BOS, EOS and pad take ids 0, 1, 2 as released.
+SPECIAL_TOKENS = [
+    encoding.BOS, encoding.EOS, "<｜▁pad▁｜>", encoding.SYSTEM, encoding.USER, encoding.ASSISTANT,
+    encoding.LATEST_REMINDER, encoding.THINK_START, encoding.THINK_END, encoding.DSML, encoding.IMAGE_PLACEHOLDER,
+    "<｜action｜>", "<｜query｜>", "<｜authority｜>", "<｜domain｜>", "<｜title｜>", "<｜read_url｜>",
+]
+# Pre-tokenizer splits of the released tokenizer (TOKENIZER-AND-CHAT.md §1), then byte level.
+_SPLITS = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+)
+_CORPUS = """\
+DeepSeek-V4.1 carries its residual stream as four parallel streams. Each block reads the streams with a
+learned mix, runs attention or a mixture of experts, and writes back through a doubly stochastic matrix
+made by Sinkhorn iterations. Attention keeps one shared key and value latent of 512 features per token.
+Every layer sees a sliding window of the last 128 tokens; pooled layers also see compressed positions
+that stand for two tokens each, token layers one compressed position per token. An indexer chooses the
+best 512 compressed positions for every query, and from layer 24 on the choice is restricted to the
+candidate blocks layer 20 picked. Engram adds an n-gram memory read before layers 1 and 14: the last
+four tokens are hashed into 24 rows of a large table, projected into one key per stream and a shared
+value, and gated by how well each stream matches its key. The draft blocks of DSpark propose five tokens
+at a time, and the target model verifies them in one pass, so the output distribution stays the same.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2048 65536. Code: def f(x): return x * 2 + 1  # comment
+The quick brown fox jumps over the lazy dog. Hello, world! How are you today? I am fine, thank you.
+User: what is the capital of France? Assistant: Paris is the capital of France.
+"""
+
+
+def demo_config_dict(compressed_vocab_size: int) -> dict:
+    """The demo's config.json (inference/config.json keys), every layer role present."""
+    from .engram.hashing import _search_primes
+
+    base = dict(
+        vocab_size=DEMO_VOCAB, dim=128, moe_inter_dim=64, n_layers=8, n_mtp_layers=0, n_heads=4,
+        n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, score_func="sqrtsoftplus",
+        route_scale=1.5, swiglu_limit=10.0, q_lora_rank=64, head_dim=64, rope_head_dim=16, norm_eps=1e-20,
+        o_groups=2, o_lora_rank=32, window_size=16,
+        compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1], kv_source_layers=[2, 4], index_source_layers=[2, 4, 6],
+        original_seq_len=256, rope_theta=10000, rope_factor=16, beta_fast=32, beta_slow=1,
+        index_n_heads=4, index_head_dim=32, index_topk=16, candidate_source_layer=4, candidate_topk_blocks=4,
+        candidate_block_size=4, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+        engram_layer_ids=[1, 3], engram_vocab_size=2000, engram_max_ngram_size=4, engram_pad_id=2,
+        engram_compressed_vocab_size=compressed_vocab_size, engram_n_heads=2, engram_head_dim=32,
+        dtype="fp8", expert_dtype="fp4", compress_rope_theta=160000,
+    )
+    primes = _search_primes(len(base["engram_layer_ids"]), base["engram_max_ngram_size"] - 1,
+                            base["engram_n_heads"], base["engram_vocab_size"])
+    base["engram_num_embeddings"] = [sum(p) for p in primes]
+    return base
+
+
+def train_tokenizer():
+    """A byte-level BPE of DEMO_VOCAB tokens with the release's pre-tokenizer and special tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in _SPLITS]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=DEMO_VOCAB, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return tokenizer
+
+
+def cache_root() -> Path:
+    """Where the demo lives: $DSV41_CACHE, else $XDG_CACHE_HOME/dsv41, else ~/.cache/dsv41."""
+    if os.environ.get("DSV41_CACHE"):
+        return Path(os.environ["DSV41_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dsv41"
+
+
+def create_demo_checkpoint(directory: Path) -> Path:
+    """Build the demo (tokenizer, config, random weights) and write it in the released layout."""
+    import torch
+
+    from .checkpoint.model_io import save_model
+    from .config import ModelConfig, RuntimeConfig
+    from .engram import build_token_map
+    from .init import init_random_
+    from .model import Transformer
+
+    tokenizer = train_tokenizer()
+    token_map = build_token_map(tokenizer)
+    cfg = ModelConfig.from_dict(demo_config_dict(int(token_map.max()) + 1))
+    with torch.no_grad():
+        model = init_random_(Transformer(cfg, RuntimeConfig(max_seq_len=256)), DEMO_SEED)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"add_bos_token": False, "add_eos_token": False, "bos_token": encoding.BOS, "eos_token": encoding.EOS,
+         "model_max_length": 4096}, ensure_ascii=False, indent=2) + "\n")
+    save_model(model, directory, max_shard_bytes=4 << 20)
+    (directory / "DEMO.md").write_text("Random-weight DeepSeek-V4.1-architecture demo made by dsv41. Its text is not language.\n")
+    return directory
+
+
+def ensure_demo_checkpoint() -> Path:
+    """The demo directory, created on first use (atomically: a half-written demo is never used)."""
+    target = cache_root() / DEMO_NAME
+    if (target / "model.safetensors.index.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=target.parent))
+    try:
+        create_demo_checkpoint(staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "model.safetensors.index.json").is_file():
+                raise                                     # not a concurrent creator winning the race
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
