@@ -79,23 +79,24 @@ def bench_gather(rows: int, tmp: Path) -> None:
     first = torch.randint(0, rows, (B, T, N), generator=gen)
     report_gather("mmap gather, first touch", table, first, 1)
     report_gather("mmap gather, pages resident", table, first, 3)
-    ram = EngramTable(1 << 21, 256)
+    ram_rows = 1 << 20
+    ram = EngramTable(ram_rows, 256)
     ram.weight.data.view(torch.uint8).random_(0, 120, generator=gen)
     ram.scale.data.view(torch.uint8).fill_(127)
-    report_gather("RAM table (2M rows)", ram, torch.randint(0, 1 << 21, (B, T, N), generator=gen), 3)
+    report_gather("RAM table (1M rows)", ram, torch.randint(0, ram_rows, (B, T, N), generator=gen), 3)
     path.unlink()
 
 
 def bench_gather_ahead(cfg: ModelConfig, rows: int, tmp: Path) -> None:
     path = tmp / "engram_ahead.safetensors"
     write_sparse_table(path, rows)
-    small = cfg.replace(dim=1024, engram_num_embeddings=(1, 1))
+    small = cfg.replace(dim=256, engram_num_embeddings=(1, 1))
     module = Engram(small, 0)
     module.embed = EngramTable.from_safetensors(path, "w", "s")  # the release's row count, mapped
     module.wkv.weight.data.view(torch.uint8).random_(0, 100)
     module.wkv.scale.data.view(torch.uint8).fill_(120)
     gen = torch.Generator().manual_seed(2)
-    B, T = 1, 256
+    B, T = 1, 128
     steps = [torch.randint(0, rows, (B, T, 24), generator=gen) for _ in range(6)]
     x = torch.randn(B, T, small.hc_mult, small.dim, generator=gen).to(torch.bfloat16)
     module(x, module.gather(steps[0]))  # warm up the kernels (touching steps[0]'s pages)
@@ -114,7 +115,7 @@ def bench_gather_ahead(cfg: ModelConfig, rows: int, tmp: Path) -> None:
         pending.result()
         ahead = (time.perf_counter() - t0) / 2
     gather = timed(lambda: module.gather(steps[1]), 1)
-    print(f"layer (D=1024, T={T}) with first-touch mmap rows: in-layer gather {inline * 1e3:.1f} ms/step, "
+    print(f"layer (D={small.dim}, T={T}) with first-touch mmap rows: in-layer gather {inline * 1e3:.1f} ms/step, "
           f"gather-ahead {ahead * 1e3:.1f} ms/step (resident gather alone {gather * 1e3:.1f} ms)")
     path.unlink()
 

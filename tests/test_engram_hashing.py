@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from dsv41.config import ModelConfig
+from helpers import RELEASED_CONFIG
 from dsv41.engram import (DEAD, VERIFIED_MULTIPLIERS, EngramHistory, EngramLayout, NgramHasher,
                           derive_multipliers, hash_compressed, is_prime)
 from dsv41.engram.hashing import lookback_tokens
 
-RELEASE = "/work/shared/spec/config.json"
+RELEASE = RELEASED_CONFIG  # ../shared/spec/config.json (DEVELOPING.md)
 PAD = 2
 
 # §2 table: primes per (layer, order), heads 0..7.

@@ -8,9 +8,10 @@ import torch
 
 from dsv41 import formats
 from dsv41.config import ModelConfig
+from helpers import RELEASED_CONFIG
 from dsv41.engram import Engram, stream_gate
 
-RELEASE = "/work/shared/spec/config.json"
+RELEASE = RELEASED_CONFIG  # ../shared/spec/config.json (DEVELOPING.md)
 EPS = 1e-20
 
 

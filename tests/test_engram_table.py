@@ -127,6 +127,11 @@ def test_sparse_table_larger_than_budget(tmp_path):
     ptr = table.weight.data_ptr()
     model.to(torch.bfloat16)
     assert table.weight.dtype == torch.float8_e4m3fn and table.weight.data_ptr() == ptr
+    # Loading into the read-only mapping is refused with a message (a copy would fault).
+    small = {"0.weight": torch.zeros(rows, De, dtype=torch.float8_e4m3fn, device="meta"),
+             "0.scale": torch.zeros(rows, De // 32, dtype=torch.float8_e8m0fnu, device="meta")}
+    with pytest.raises(RuntimeError, match="read-only file mapping"):
+        model.load_state_dict(small)
 
 
 def test_lookup_matches_dense_dequantisation():

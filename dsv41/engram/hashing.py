@@ -205,7 +205,7 @@ def hash_compressed(layout: EngramLayout, compressed: torch.Tensor, start_pos: i
     primes, offsets, mults = tables if tables is not None else layout.tensors(history.ids.device)
     c = compressed.to(device=history.ids.device, dtype=torch.int64)
     if text_mask is not None:
-        c = c.masked_fill(~text_mask.to(c.device), DEAD)
+        c = c.masked_fill(~text_mask.to(device=c.device, dtype=torch.bool), DEAD)
     history.ids[:B, start_pos:start_pos + T] = c  # §4 step 1
     K, heads = layout.max_ngram_size, layout.n_heads
     tok = lookback_tokens(history, start_pos, T, B, pad, K)  # [B, T, K]

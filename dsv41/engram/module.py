@@ -67,7 +67,7 @@ class Engram(nn.Module):
         h = x.float()
         gate = stream_gate(h, key, weight, self.eps)  # [B, T, S]
         if text_mask is not None:
-            gate = gate.masked_fill(~text_mask.to(gate.device)[..., None], 0.0)  # §9 step 6
+            gate = gate.masked_fill(~text_mask.to(device=gate.device, dtype=torch.bool)[..., None], 0.0)  # §9 step 6
         return (h + gate[..., None] * value[:, :, None, :]).to(x.dtype)  # §9 step 7, fp32 add
 
     def extra_repr(self) -> str:

@@ -103,13 +103,14 @@ class EngramTable(nn.Module):
         super().__init__()
         if head_dim % SCALE_BLOCK:
             raise ValueError(f"Engram head_dim {head_dim} must be a multiple of {SCALE_BLOCK}")
-        self.rows, self.head_dim, self.movable = rows, head_dim, movable
+        self.rows, self.head_dim, self.movable, self.read_only = rows, head_dim, movable, False
         self.weight = nn.Parameter(torch.empty(rows, head_dim, dtype=torch.float8_e4m3fn, device=device),
                                    requires_grad=False)
         self.scale = nn.Parameter(torch.empty(rows, head_dim // SCALE_BLOCK, dtype=torch.float8_e8m0fnu,
                                               device=device), requires_grad=False)
 
-    def attach(self, weight: torch.Tensor, scale: torch.Tensor, *, movable: bool = False) -> None:
+    def attach(self, weight: torch.Tensor, scale: torch.Tensor, *, movable: bool = False,
+               read_only: bool = False) -> None:
         """Use `weight`/`scale` (e.g. mapped from a file) as the table, without copying them."""
         want = {"weight": ((self.rows, self.head_dim), torch.float8_e4m3fn),
                 "scale": ((self.rows, self.head_dim // SCALE_BLOCK), torch.float8_e8m0fnu)}
@@ -119,7 +120,7 @@ class EngramTable(nn.Module):
                 raise ValueError(f"Engram table {name}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}")
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.scale = nn.Parameter(scale, requires_grad=False)
-        self.movable = movable
+        self.movable, self.read_only = movable, read_only
 
     @classmethod
     def from_safetensors(cls, path: str | os.PathLike, weight_name: str, scale_name: str) -> "EngramTable":
@@ -128,13 +129,24 @@ class EngramTable(nn.Module):
         if weight.ndim != 2:
             raise ValueError(f"{path}: {weight_name} must be 2-D, got shape {tuple(weight.shape)}")
         table = cls(weight.shape[0], weight.shape[1], device="meta")
-        table.attach(weight, scale, movable=False)
+        table.attach(weight, scale, movable=False, read_only=True)
         return table
 
     def _apply(self, fn, recurse=True):
         if not self.movable:
             return self
         return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # Copying into a PROT_READ mapping would crash the process; fail with a message instead.
+        assigning = local_metadata.get("assign_to_params_buffers", False)
+        if self.read_only and not assigning and any(k.startswith(prefix) for k in state_dict):
+            error_msgs.append(f"{prefix}weight/scale: the Engram table is a read-only file mapping; "
+                              "use load_state_dict(..., assign=True) or EngramTable.attach")
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def lookup(self, ids: torch.Tensor, device=None) -> torch.Tensor:
         """ids int64 [..., N] -> bf16 [..., N, De] on `device` (default: the ids' device).
