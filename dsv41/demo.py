@@ -51,12 +51,12 @@ User: what is the capital of France? Assistant: Paris is the capital of France.
 """
 
 
-def demo_config_dict(compressed_vocab_size: int) -> dict:
+def demo_config_dict(vocab_size: int, compressed_vocab_size: int) -> dict:
     """The demo's config.json (inference/config.json keys), every layer role present."""
     from .engram.hashing import _search_primes
 
     base = dict(
-        vocab_size=DEMO_VOCAB, dim=128, moe_inter_dim=64, n_layers=8, n_mtp_layers=0, n_heads=4,
+        vocab_size=vocab_size, dim=128, moe_inter_dim=64, n_layers=8, n_mtp_layers=0, n_heads=4,
         n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, score_func="sqrtsoftplus",
         route_scale=1.5, swiglu_limit=10.0, q_lora_rank=64, head_dim=64, rope_head_dim=16, norm_eps=1e-20,
         o_groups=2, o_lora_rank=32, window_size=16,
@@ -75,7 +75,8 @@ def demo_config_dict(compressed_vocab_size: int) -> dict:
 
 
 def train_tokenizer():
-    """A byte-level BPE of DEMO_VOCAB tokens with the release's pre-tokenizer and special tokens."""
+    """A byte-level BPE (at most DEMO_VOCAB tokens: the corpus is small) with the release's pre-tokenizer
+    and special tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -109,7 +110,7 @@ def create_demo_checkpoint(directory: Path) -> Path:
 
     tokenizer = train_tokenizer()
     token_map = build_token_map(tokenizer)
-    cfg = ModelConfig.from_dict(demo_config_dict(int(token_map.max()) + 1))
+    cfg = ModelConfig.from_dict(demo_config_dict(tokenizer.get_vocab_size(), int(token_map.max()) + 1))
     with torch.no_grad():
         model = init_random_(Transformer(cfg, RuntimeConfig(max_seq_len=256)), DEMO_SEED)
     directory.mkdir(parents=True, exist_ok=True)

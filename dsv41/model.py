@@ -94,10 +94,10 @@ class Transformer(nn.Module):
         self.head = Head(cfg.vocab_size, cfg.dim, device=device)
         self.hasher = None
         if cfg.engram_layer_ids:
-            from .engram import EngramLayout, NgramHasher
+            from .engram import EngramLayout
             self.engram_layout = EngramLayout.from_config(cfg)
             if token_map is not None:
-                self.hasher = NgramHasher(self.engram_layout, token_map)
+                self.set_token_map(token_map)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -110,6 +110,9 @@ class Transformer(nn.Module):
     def set_token_map(self, token_map: torch.Tensor) -> None:
         """Attach the tokenizer's compressed token map that feeds the Engram hash (ENGRAM-HASHING §1)."""
         from .engram import NgramHasher
+        if token_map.shape != (self.cfg.vocab_size,):
+            raise ValueError(f"the compressed token map covers {token_map.shape[0]} token ids; the model's "
+                             f"vocab_size is {self.cfg.vocab_size}")
         self.hasher = NgramHasher(self.engram_layout, token_map)
 
     def new_cache(self, batch_size: int, max_seq_len: int | None = None) -> ModelCache:

@@ -4,7 +4,6 @@
 import json
 import struct
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file

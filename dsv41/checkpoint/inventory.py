@@ -229,6 +229,3 @@ def inventory_bytes(inventory: dict[str, TensorSpec]) -> int:
 def routed_expert_count(name: str, cfg: ModelConfig) -> int:
     """Experts in the MoE a tensor name belongs to: DSpark stages have their own count (§5)."""
     return dspark_experts(cfg) if name.startswith("mtp.") else cfg.n_routed_experts
-
-
-

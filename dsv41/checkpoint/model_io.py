@@ -137,29 +137,67 @@ def load_into(model: nn.Module, ckpt: CheckpointDir, *, device: str | torch.devi
     return left
 
 
+def _read(ckpt: CheckpointDir, names: list[str], stacked: bool) -> torch.Tensor:
+    """One stored tensor, or the per-expert tensors read straight into one stacked tensor."""
+    if not stacked:
+        return ckpt.read(names[0])
+    first = ckpt.spec(names[0])
+    out = torch.empty((len(names), *first.shape), dtype=torch_dtype(first.dtype))
+    for e, name in enumerate(names):
+        ckpt.read(name, out=out[e])
+    return out
+
+
 def _load_one(model, tensors, name, sources, scales, ckpt, device, engram_on_disk) -> None:
     target = tensors[name]
     if engram_on_disk and name.endswith(".engram.embed.weight"):
         table = model.get_submodule(name[: -len(".weight")])
-        table.attach(ckpt.tensor(sources[0]), ckpt.tensor(scales[0]), movable=False)
+        table.attach(ckpt.tensor(sources[0]), ckpt.tensor(scales[0]), movable=False, read_only=True)
         return
     stacked = _STACKED.match(name) is not None
-    weight = torch.stack([ckpt.tensor(s) for s in sources]) if stacked else ckpt.tensor(sources[0])
-    scale = None
-    if scales:
-        scale = torch.stack([ckpt.tensor(s) for s in scales]) if stacked else ckpt.tensor(scales[0])
+    weight = _read(ckpt, sources, stacked)
+    scale = _read(ckpt, scales, stacked) if scales else None
     if scale is not None and target.dtype == weight.dtype:
-        scale_name = name[: -len("weight")] + "scale"
-        _set_tensor(model, scale_name, scale.to(device, copy=True))
-        value = weight.to(device, copy=True)
+        _set_tensor(model, name[: -len("weight")] + "scale", scale.to(device))
+        value = weight.to(device)
     elif stacked and scale is not None:
-        value = torch.stack([to_module_format(w, s, target) for w, s in zip(weight, scale)]).to(device)
+        # dequantise expert by expert: the transient is one expert, not a second copy of the stack
+        value = torch.empty(target.shape, dtype=target.dtype, device=device)
+        for e in range(len(sources)):
+            value[e] = to_module_format(weight[e], scale[e], target)
+        del weight, scale
     else:
-        value = to_module_format(weight, scale, target).to(device, copy=True)
+        value = to_module_format(weight, scale, target).to(device)
     if tuple(value.shape) != tuple(target.shape):
         raise CheckpointError(f"{name}: stored tensors give shape {tuple(value.shape)}, the model holds "
                               f"{tuple(target.shape)}")
     _set_tensor(model, name, value.contiguous())
+
+
+def rank_tensors(ckpt: CheckpointDir, cfg: ModelConfig, rank: int, world_size: int
+                 ) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """(name, this rank's part, zero rows to pad) for tensor parallelism (CHECKPOINT.md §5).
+
+    Applies the sharding table while reading, so each rank reads only its slice: split tensors are cut on
+    their dim, routed experts another rank owns are skipped, Engram tables give ⌈rows/ws⌉ rows (the last
+    rank reports its padding), everything else is read whole.
+    """
+    from .inventory import routed_expert_count
+    from .sharding import check_world_size, expert_index, rank_slice
+
+    check_world_size(cfg, world_size)
+    for name in ckpt.names():
+        spec = ckpt.spec(name)
+        expert = expert_index(name)
+        n_experts = routed_expert_count(name, cfg) if expert is not None else None
+        part = rank_slice(name, spec.shape, rank, world_size, n_experts=n_experts)
+        if part is None:
+            yield name, ckpt.tensor(name), 0
+        elif part.dim is None:
+            if part.start <= expert < part.stop:
+                yield name, ckpt.tensor(name), 0
+        else:
+            yield name, ckpt.tensor(name, slice_dim=part.dim, start=part.start, stop=part.stop), part.pad
 
 
 def load_model(path: str | Path, runtime: RuntimeConfig | None = None, *, device: str = "cpu",

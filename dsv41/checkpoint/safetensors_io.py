@@ -268,6 +268,28 @@ class CheckpointDir:
             return part
         return torch.empty(part.shape, dtype=part.dtype).copy_(part)
 
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor read from its file into owned memory (`out`, if given, must match it).
+
+        Unlike `tensor`, this never maps the file, so loading does not hold file pages on top of the
+        tensors it builds: peak resident memory stays near the size of what is loaded.
+        """
+        stored = self._stored(name)
+        spec = stored.spec
+        dtype = torch_dtype(spec.dtype)
+        if out is None:
+            out = torch.empty(spec.shape, dtype=dtype)
+        elif tuple(out.shape) != tuple(spec.shape) or out.dtype != dtype or not out.is_contiguous() \
+                or out.device.type != "cpu":
+            raise ValueError(f"{name}: cannot read {spec.dtype} {spec.shape} into {out.dtype} {tuple(out.shape)}")
+        view = memoryview(out.view(torch.uint8).reshape(-1).numpy()) if out.numel() else memoryview(b"")
+        with open(stored.file, "rb") as f:
+            f.seek(stored.begin)
+            got = f.readinto(view)
+        if got != stored.end - stored.begin:
+            raise CheckpointError(f"{stored.file.name}: short read of {name} ({got} of {stored.end - stored.begin} bytes)")
+        return out
+
     # ------------------------------------------------------------------ layout check
     def validate_against(self, inventory: Mapping[str, TensorSpec]) -> None:
         """Raise one CheckpointError listing missing, unexpected, mis-shaped and mis-typed tensors."""

@@ -1,0 +1,121 @@
+"""The checkpoint's tokenizer (`tokenizer.json`, byte-level BPE) and an incremental detokenizer.
+
+TOKENIZER-AND-CHAT.md §1–§2: the release loads `tokenizer.json` with the Hugging Face `tokenizers`
+library, adds no BOS or EOS (`add_bos = false`), and matches added-token strings literally in text. The
+prompt encoder writes the BOS string itself, so text is always encoded without special tokens; a
+tokenizer that added its own BOS would produce the double BOS of pitfall 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as _Backend
+
+from .chat.encoding import BOS, EOS
+
+TOKENIZER_FILE = "tokenizer.json"
+# What byte-level decoding yields for a UTF-8 sequence cut short: a streamed piece ending in it is held
+# back until the next token completes the character.
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that is missing or lacks a token dsv41 needs; the message names the file."""
+
+
+class Tokenizer:
+    """Text ↔ token ids, with no special tokens added (the encoder writes them as text)."""
+
+    def __init__(self, backend: _Backend, source: str = "tokenizer"):
+        self.backend = backend
+        self.source = source
+        self.bos_id = self._required_id(BOS)
+        self.eos_id = self._required_id(EOS)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        """Load `tokenizer.json` from a checkpoint directory (or the path of the file itself)."""
+        path = Path(path)
+        file = path / TOKENIZER_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise TokenizerError(f"{file}: no tokenizer file (a checkpoint directory needs {TOKENIZER_FILE})")
+        try:
+            backend = _Backend.from_file(str(file))
+        except Exception as e:                       # the Rust side raises plain Exceptions
+            raise TokenizerError(f"{file}: not a readable tokenizers file ({e})") from None
+        return cls(backend, str(file))
+
+    def _required_id(self, token: str) -> int:
+        token_id = self.backend.token_to_id(token)
+        if token_id is None:
+            raise TokenizerError(f"{self.source}: has no token {token!r}")
+        return token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids 0 … vocab_size − 1 decode; added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Encode an encoder-rendered prompt and check it starts with exactly one BOS (§2)."""
+        ids = self.encode(text)
+        if not ids or ids[0] != self.bos_id:
+            raise TokenizerError("a chat prompt must start with the BOS token")
+        if len(ids) > 1 and ids[1] == self.bos_id:
+            raise TokenizerError("the prompt starts with two BOS tokens (TOKENIZER-AND-CHAT.md §9 pitfall 2)")
+        return ids
+
+    def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special_tokens)
+
+
+class StreamDecoder:
+    """Text deltas for ids arriving one at a time, never splitting a UTF-8 character.
+
+    Only a short window of ids is decoded per token: the ids since the last emitted boundary, plus the
+    ids of the piece emitted before it (so the decoder sees the same neighbourhood the full text has).
+    For byte-level BPE the concatenated deltas equal `decode(all ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._window_start = 0       # first id of the decode window
+        self._emitted_end = 0        # ids before this index have had their text emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _pending(self) -> tuple[str, str]:
+        window = self.ids[self._window_start:]
+        emitted = self._decode(window[: self._emitted_end - self._window_start])
+        return emitted, self._decode(window)
+
+    def push(self, token_id: int) -> str:
+        """The new text this id completes ('' while it ends inside a character)."""
+        self.ids.append(token_id)
+        emitted, full = self._pending()
+        if len(full) <= len(emitted) or full.endswith(REPLACEMENT_CHAR):
+            return ""
+        self._window_start, self._emitted_end = self._emitted_end, len(self.ids)
+        return full[len(emitted):]
+
+    def finish(self) -> str:
+        """Whatever is still held back (an unfinished character decodes to U+FFFD)."""
+        emitted, full = self._pending()
+        self._window_start = self._emitted_end = len(self.ids)
+        return full[len(emitted):]
