@@ -40,6 +40,13 @@ class ForwardState:
     stale_index_keys: bool = False
     selections: dict[int, torch.Tensor] = field(default_factory=dict)   # index source → [B, T, k] rows or −1
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)   # candidate source → [B, T, C] mask
+    _window_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_rows(self, window: int) -> torch.Tensor:
+        """[T, W] window pool rows, the same for every layer of the call (computed once)."""
+        if window not in self._window_rows:
+            self._window_rows[window] = window_indices(self.start_pos, self.length, window, self.positions.device)
+        return self._window_rows[window]
 
 
 def window_indices(start_pos: int, length: int, window: int, device=None) -> torch.Tensor:
@@ -123,7 +130,7 @@ class Attention(nn.Module):
 
         ring = cache.window[self.role.layer_id]
         pool = torch.cat([ring, kv], dim=1)                                         # [B, W + T, Dh]
-        rows = window_indices(step.start_pos, T, self.window, x.device).expand(B, -1, -1)
+        rows = step.window_rows(self.window).expand(B, -1, -1)
         if self.role.ratio:
             compressed, selected = self._compressed(x, qr, step, cache)
             pool = torch.cat([pool, compressed], dim=1)

@@ -98,9 +98,8 @@ class ModelConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(f"unknown config keys: {', '.join(unknown)} (dsv41 reads the inference/config.json spelling)")
-        required = [f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-        missing = [k for k in required if k not in raw]
+        # A file must spell out every key: a missing one would silently take a default (trap 25).
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in raw and f.name not in OPTIONAL_JSON_KEYS]
         if missing:
             raise ConfigError(f"missing config keys: {', '.join(missing)}")
         values = {}
@@ -170,6 +169,9 @@ class ModelConfig:
     def dspark_enabled(self) -> bool:
         return self.dspark_block_size > 0 and self.n_mtp_layers > 0
 
+
+# Keys the released inference/config.json does not set; the reference's defaults apply (§2).
+OPTIONAL_JSON_KEYS = frozenset({"gate_temp"})
 
 _TUPLE_FIELDS = {"compress_ratios", "kv_source_layers", "index_source_layers", "dspark_target_layer_ids",
                  "engram_layer_ids", "engram_num_embeddings"}

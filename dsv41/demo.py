@@ -67,6 +67,12 @@ def demo_config_dict(vocab_size: int, compressed_vocab_size: int) -> dict:
         engram_layer_ids=[1, 3], engram_vocab_size=2000, engram_max_ngram_size=4, engram_pad_id=2,
         engram_compressed_vocab_size=compressed_vocab_size, engram_n_heads=2, engram_head_dim=32,
         dtype="fp8", expert_dtype="fp4", compress_rope_theta=160000,
+        # no DSpark stages and no vision in the demo
+        dspark_block_size=0, dspark_noise_token_id=0, dspark_target_layer_ids=[], dspark_markov_rank=0,
+        dspark_n_routed_experts=0, dspark_n_activated_experts=0, vision_n_layers=0, vision_dim=0,
+        vision_n_heads=0, vision_inter_dim=0, vision_patch_size=0, vision_downsample_ratio=0,
+        vision_max_n_token=0, vision_min_pixels=0, vision_max_wh_ratio=None, vision_rope_theta=10000,
+        image_token_id=None,
     )
     primes = _search_primes(len(base["engram_layer_ids"]), base["engram_max_ngram_size"] - 1,
                             base["engram_n_heads"], base["engram_vocab_size"])

@@ -137,7 +137,8 @@ class Transformer(nn.Module):
         image_mask = None if token_types is None else token_types >= 0
         text_mask = None if image_mask is None else ~image_mask
         engram_rows = self._engram_rows(ids, start_pos, cache, text_mask)
-        step = ForwardState(start_pos=start_pos, length=T, positions=torch.arange(start_pos, start_pos + T),
+        step = ForwardState(start_pos=start_pos, length=T,
+                            positions=torch.arange(start_pos, start_pos + T, device=ids.device),
                             stale_index_keys=self.runtime.stale_index_keys)
         x = self.embed(ids).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)           # [B, T, S, D]
         pre = hyper.identity_pre(B, T, self.cfg.hc_mult, device=ids.device)
