@@ -45,6 +45,12 @@ def ranges(ids) -> str:
     return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in out)
 
 
+def layers_text(ids) -> str:
+    """"layer 20" or "layers 2, 8, 14"."""
+    ids = list(ids)
+    return ("layer " if len(ids) == 1 else "layers ") + (ranges(ids) if ids else "none")
+
+
 @dataclass(frozen=True)
 class Figure:
     key: str

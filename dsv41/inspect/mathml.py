@@ -32,7 +32,8 @@ _OPERATORS = {
 _IDENTIFIERS = {"infty": "∞", "top": "⊤", "ell": "ℓ", "_": "_"}
 _LIMIT_OPERATORS = {"sum": "∑", "prod": "∏"}
 _NAMED_FUNCTIONS = ("max", "min", "exp", "log", "ln", "sin", "cos", "argmax")
-_SPACES = {",": "0.1667em", ";": "0.2778em", ":": "0.2222em", " ": "0.3333em", "quad": "1em", "!": "0em"}
+_SPACES = {",": "0.1667em", ";": "0.2778em", ":": "0.2222em", " ": "0.3333em", "quad": "1em", "qquad": "2em",
+           "!": "0em"}
 _SIZES = ("left", "right", "big", "Big", "bigg", "Bigg", "bigl", "bigr", "Bigl", "Bigr")
 _TEXT_COMMANDS = ("operatorname", "mathrm", "text")
 
