@@ -16,7 +16,7 @@ while the tokens that spelled it stay in `token_ids`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +70,11 @@ class Completion:
     tokens_per_s: float
     """Decode rate after the first token: (generated − 1) / (finish − first token); 0 below 2 tokens."""
     elapsed_s: float
+
+    def summary(self) -> str:
+        ttft = "-" if self.ttft_s is None else f"{self.ttft_s * 1e3:.0f} ms"
+        return (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens} tokens, TTFT {ttft}, "
+                f"{self.tokens_per_s:.1f} tok/s, finish: {self.finish_reason}")
 
 
 @dataclass
@@ -170,11 +175,14 @@ class _Row:
 
     def finish(self, reason: str, now: float, stop: int | str | None = None) -> list[StreamEvent]:
         self.done = True
-        tail = ""
-        if reason != "stop" or not isinstance(stop, str):
-            tail, late_stop = self.filter.push(self.decoder.finish())
-            tail += "" if late_stop else self.filter.flush()
+        tail = "" if isinstance(stop, str) else self._remaining_text()
         return [StreamEvent(self.index, None, tail, self._completion(reason, stop, now))]
+
+    def _remaining_text(self) -> str:
+        # An unfinished character's bytes, then whatever the filter held back (a stop string completed
+        # by those bytes still cuts the text: after a match there is nothing left to flush).
+        shown, _ = self.filter.push(self.decoder.finish())
+        return shown + self.filter.flush()
 
     def _completion(self, reason: str, stop: int | str | None, now: float) -> Completion:
         first = self.first_token_at
@@ -322,8 +330,13 @@ def _run(model, tokenizer, prompts, config, context) -> Iterator[StreamEvent]:
         pos += 1
 
 
-def generate_all(model, tokenizer: Tokenizer, prompts: list[list[int]],
-                 config: GenerationConfig | None = None) -> list[Completion]:
-    """Run `generate` to the end; completions in prompt order."""
-    done = [e.completion for e in generate(model, tokenizer, prompts, config) if e.completion is not None]
+def generate_all(model, tokenizer: Tokenizer, prompts: list[list[int]], config: GenerationConfig | None = None,
+                 on_event: Callable[[StreamEvent], None] | None = None) -> list[Completion]:
+    """Run `generate` to the end, handing every event to `on_event`; completions in prompt order."""
+    done = []
+    for event in generate(model, tokenizer, prompts, config):
+        if on_event is not None:
+            on_event(event)
+        if event.completion is not None:
+            done.append(event.completion)
     return sorted(done, key=lambda c: c.row)

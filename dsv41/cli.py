@@ -1,0 +1,399 @@
+"""The `dsv41` command: generate, chat, score and inspect (GENERATION-AND-DSPARK.md §1.3 is the baseline).
+
+Chat formatting lives here and in `dsv41.chat`; the engine (`dsv41.generate`) sees token ids only.
+Errors a user can cause (a missing checkpoint, a bad config, a prompt longer than the context, a bad
+ids file) end with one line `dsv41: error: …` and exit status 2; DSV41_DEBUG=1 shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import __version__, load
+from .chat import encode_messages
+from .config import RuntimeConfig
+from .demo import ensure_demo_checkpoint
+from .generate import GenerationConfig, check_prompts, generate_all
+from .repl import ChatSession, echo_to, input_lines, parse_effort, run_chat
+from .sampling import SamplingParams
+from .score import check_sequences, score
+from .tokenizer import Tokenizer
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+# The reference's seed and max_new_tokens defaults (GENERATION-AND-DSPARK.md §1.3).
+DEFAULT_SEED = 33377335
+DEFAULT_MAX_NEW_TOKENS = 200
+# Model card recommendation (TOKENIZER-AND-CHAT.md §9, last paragraph).
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 0.95
+DEFAULT_MAX_CONTEXT = 4096
+
+
+class CliError(Exception):
+    """A user error reported as one line."""
+
+
+# ------------------------------------------------------------------------------------ argument parser
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--checkpoint", metavar="DIR",
+                   help="released-layout checkpoint directory (default: the built-in demo, random weights)")
+    g.add_argument("--numerics", choices=("reference", "fast"), default="reference",
+                   help="reference: the release's fp8/fp4 numerics; fast: dequantised weights (default: reference)")
+    g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="activation dtype; float32 needs --numerics fast (default: bfloat16)")
+    g.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT, metavar="N",
+                   help=f"positions the cache holds, prompt plus completion (default: {DEFAULT_MAX_CONTEXT})")
+
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                   help=f"(default: {DEFAULT_MAX_NEW_TOKENS})")
+    g.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
+                   help=f"0 = greedy (default: {DEFAULT_TEMPERATURE})")
+    g.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help=f"(default: {DEFAULT_TOP_P})")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off (default: 0)")
+    g.add_argument("--min-p", type=float, default=0.0, help="(default: 0)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default: 1)")
+    g.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"sampling seed (default: {DEFAULT_SEED})")
+
+
+def _add_chat_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("chat format")
+    g.add_argument("--thinking", action="store_true", help="thinking mode (the model reasons inside <think>)")
+    g.add_argument("--effort", metavar="E", help="reasoning effort in thinking mode: 1-100, low, high or max")
+    g.add_argument("--system", metavar="TEXT", help="system prompt")
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="complete prompts, streaming the tokens",
+                       description="Complete one or more prompts. With one prompt the text streams to stdout; "
+                                   "with several, each completion is printed under a header. A stats line "
+                                   "per prompt goes to stderr.")
+    p.add_argument("prompt", nargs="*", help="prompt text (several: one batch); default: --file or stdin")
+    p.add_argument("--file", metavar="F", help="prompts from a file: blank-line separated text, or a .json list "
+                                               "of strings / message lists / {\"messages\": [...]} cases")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="raw", action="store_false",
+                      help="encode each prompt as one user message (default)")
+    mode.add_argument("--raw", dest="raw", action="store_true", help="send the text as is, without chat encoding")
+    p.set_defaults(raw=False)
+    p.add_argument("--stop", action="append", default=[], metavar="S", help="stop string (repeatable)")
+    p.add_argument("--stop-id", action="append", default=[], type=int, metavar="ID", help="stop token id (repeatable)")
+    _add_chat_options(p)
+    _add_model_options(p)
+    _add_sampling_options(p)
+
+
+def _chat_parser(sub) -> None:
+    p = sub.add_parser("chat", help="interactive chat (reads lines from stdin)",
+                       description="Interactive chat. Each line is a user message; the history is re-encoded "
+                                   "every turn. Commands: /exit, /clear, /system TEXT, /think on|off, "
+                                   "/effort N|low|high|max, /help.")
+    _add_chat_options(p)
+    _add_model_options(p)
+    _add_sampling_options(p)
+
+
+def _score_parser(sub) -> None:
+    p = sub.add_parser("score", help="teacher-forced log-probabilities and perplexity",
+                       description="Print, per sequence, each token's log-probability given the tokens "
+                                   "before it (position, id, text, logprob; tab separated) and the perplexity.")
+    p.add_argument("text", nargs="*", help="texts to score (one batch); default: --ids or stdin")
+    p.add_argument("--ids", metavar="FILE.json", help="a JSON list of token-id lists, scored as one batch")
+    p.add_argument("--dump-logits", metavar="FILE.npz",
+                   help="write logits float32 [sequences, tokens, vocab] (entry t: after token t; "
+                        "0 past a sequence's end), lengths and ids")
+    p.add_argument("--prefill", type=int, metavar="N",
+                   help="run the first N tokens as one prefill and the rest one decode step at a time")
+    p.add_argument("--no-bos", action="store_true", help="do not put BOS before each text")
+    _add_model_options(p)
+
+
+def _inspect_parser(sub) -> None:
+    p = sub.add_parser("inspect", help="explain a model config component by component",
+                       description="Explain a config.json (or a checkpoint directory) component by component.")
+    p.add_argument("config", metavar="CONFIG_OR_DIR", help="a config.json or a directory holding one")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--html", metavar="DIR", help="also write an HTML report into DIR")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1 in PyTorch.")
+    parser.add_argument("--version", action="version", version=f"dsv41 {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_generate_parser, _chat_parser, _score_parser, _inspect_parser):
+        add(sub)
+    return parser
+
+
+# ------------------------------------------------------------------------------------ loading
+def _note(message: str) -> None:
+    print(f"dsv41: {message}", file=sys.stderr, flush=True)
+
+
+def checkpoint_dir(args) -> Path:
+    if args.checkpoint is None:
+        path = ensure_demo_checkpoint()
+        _note(f"note: using the built-in demo model at {path}; its weights are random, so its text is not language")
+        return path
+    path = Path(args.checkpoint)
+    if not path.is_dir():
+        raise CliError(f"checkpoint directory not found: {path}")
+    return path
+
+
+def _device(args) -> str:
+    if args.device:
+        return args.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(path: Path, args, batch_size: int):
+    device = _device(args)
+    runtime = RuntimeConfig(max_batch_size=batch_size, max_seq_len=args.max_context, device=device,
+                            dtype=args.dtype, numerics=args.numerics)
+    return load(path, runtime, device=device)
+
+
+def generation_config(args, stop_strings=(), stop_ids=()):
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                            stop_strings=tuple(stop_strings), stop_token_ids=tuple(stop_ids),
+                            max_context=args.max_context)
+
+
+# ------------------------------------------------------------------------------------ generate
+def _split_blank_lines(text: str) -> list[str]:
+    blocks, current = [], []
+    for line in text.splitlines():
+        if line.strip():
+            current.append(line)
+        elif current:
+            blocks.append("\n".join(current))
+            current = []
+    if current:
+        blocks.append("\n".join(current))
+    return blocks
+
+
+def _json_case(item, where: str):
+    if isinstance(item, str):
+        return item
+    if isinstance(item, dict) and isinstance(item.get("messages"), list):
+        return item["messages"]
+    if isinstance(item, list) and all(isinstance(m, dict) for m in item):
+        return item
+    raise CliError(f"{where}: each case must be a string, a message list or {{\"messages\": [...]}}")
+
+
+def read_prompt_file(path: str) -> list:
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as e:
+        raise CliError(f"cannot read {path}: {e.strerror or e}") from None
+    if file.suffix != ".json":
+        return _split_blank_lines(text)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CliError(f"{path}: not valid JSON ({e})") from None
+    one_case = isinstance(data, dict) or (isinstance(data, list) and data
+                                          and all(isinstance(m, dict) and "role" in m for m in data))
+    cases = [data] if one_case else data
+    if not isinstance(cases, list) or not cases:
+        raise CliError(f"{path}: expected a non-empty list of cases")
+    return [_json_case(item, f"{path}, case {i}") for i, item in enumerate(cases)]
+
+
+def prompt_cases(args) -> list:
+    """Prompt texts (or message lists) from the arguments, --file, or stdin."""
+    if args.prompt and args.file:
+        raise CliError("give prompts as arguments or with --file, not both")
+    if args.prompt:
+        return list(args.prompt)
+    if args.file:
+        cases = read_prompt_file(args.file)
+    elif sys.stdin.isatty():
+        raise CliError("no prompt: give PROMPT arguments, --file F, or pipe text on stdin")
+    else:
+        cases = [sys.stdin.read().rstrip("\n")]
+    if not cases or any(isinstance(c, str) and not c.strip() for c in cases):
+        raise CliError("empty prompt")
+    return cases
+
+
+def chat_messages(case, system: str | None) -> list[dict]:
+    messages = [{"role": "user", "content": case}] if isinstance(case, str) else list(case)
+    if system and not any(m.get("role") == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def encode_case(tokenizer, case, args) -> list[int]:
+    if args.raw:
+        if not isinstance(case, str):
+            raise CliError("--raw takes text prompts, not message lists")
+        return tokenizer.encode(case)
+    text = encode_messages(chat_messages(case, args.system), "thinking" if args.thinking else "chat",
+                           reasoning_effort=parse_effort(args.effort))
+    return tokenizer.encode_prompt(text)
+
+
+def cmd_generate(args) -> int:
+    cases = prompt_cases(args)
+    path = checkpoint_dir(args)
+    tokenizer = Tokenizer.from_dir(path)
+    prompts = [encode_case(tokenizer, c, args) for c in cases]
+    config = generation_config(args, args.stop, args.stop_id)
+    check_prompts(prompts, args.max_context, tokenizer.vocab_size)     # before the (slow) load
+    model = load_model(path, args, len(prompts))
+    single = len(prompts) == 1
+    completions = generate_all(model, tokenizer, prompts, config, echo_to(sys.stdout) if single else None)
+    if single:
+        print(flush=True)
+    for c in completions:
+        if not single:
+            print(f"=== completion {c.row} ===\n{c.text}", flush=True)
+        label = "" if single else f"[completion {c.row}] "
+        print(label + c.summary(), file=sys.stderr, flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------ chat
+def cmd_chat(args) -> int:
+    path = checkpoint_dir(args)
+    tokenizer = Tokenizer.from_dir(path)
+    session = ChatSession(args.system, args.thinking, parse_effort(args.effort))
+    config = generation_config(args)
+    model = load_model(path, args, 1)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        _note("chat: /help lists the commands, /exit leaves")
+    run_chat(model, tokenizer, session, config, input_lines(interactive), sys.stdout)
+    return 0
+
+
+# ------------------------------------------------------------------------------------ score
+def read_ids_file(path: str, vocab: int) -> list[list[int]]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise CliError(f"cannot read {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise CliError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, list) or not data or not all(isinstance(s, list) and s for s in data):
+        raise CliError(f"{path}: expected a JSON list of non-empty token-id lists, e.g. [[0, 17, 5], [0, 9]]")
+    for i, seq in enumerate(data):
+        bad = [t for t in seq if type(t) is not int or not 0 <= t < vocab]
+        if bad:
+            raise CliError(f"{path}: sequence {i} holds {bad[0]!r}, not a token id in [0, {vocab})")
+    return data
+
+
+def score_sequences(args, tokenizer) -> list[list[int]]:
+    if args.ids and args.text:
+        raise CliError("give texts or --ids, not both")
+    if args.ids:
+        return read_ids_file(args.ids, tokenizer.vocab_size)
+    texts = list(args.text)
+    if not texts:
+        if sys.stdin.isatty():
+            raise CliError("nothing to score: give TEXT arguments, --ids FILE.json, or pipe text on stdin")
+        texts = [sys.stdin.read().rstrip("\n")]
+    sequences = []
+    for text in texts:
+        ids = tokenizer.encode(text)
+        if not args.no_bos and ids[:1] != [tokenizer.bos_id]:
+            ids = [tokenizer.bos_id] + ids
+        if not ids:
+            raise CliError("empty text (and --no-bos): nothing to score")
+        sequences.append(ids)
+    return sequences
+
+
+def _printable(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+
+
+def print_scores(result, sequences, tokenizer) -> None:
+    for i, seq in enumerate(sequences):
+        print(f"# sequence {i}: {len(seq)} tokens")
+        logprobs = result.token_logprobs[i].tolist()
+        for pos, token in enumerate(seq):
+            value = "-" if pos == 0 else f"{logprobs[pos - 1]:.6f}"
+            print(f"{pos}\t{token}\t{_printable(tokenizer.decode([token]))}\t{value}")
+        print(f"perplexity\t{result.perplexity[i]:.6g}", flush=True)
+
+
+def dump_logits(path: str, result, sequences) -> None:
+    ids = np.full((len(sequences), max(result.lengths)), -1, dtype=np.int64)
+    for i, seq in enumerate(sequences):
+        ids[i, :len(seq)] = seq
+    try:
+        np.savez(path, logits=result.logits.numpy().astype(np.float32), lengths=np.array(result.lengths), ids=ids)
+    except OSError as e:
+        raise CliError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def cmd_score(args) -> int:
+    path = checkpoint_dir(args)
+    tokenizer = Tokenizer.from_dir(path)
+    sequences = score_sequences(args, tokenizer)
+    check_sequences(sequences, args.max_context)                     # before the (slow) load
+    model = load_model(path, args, len(sequences))
+    result = score(model, sequences, args.prefill, max_context=args.max_context)
+    print_scores(result, sequences, tokenizer)
+    if args.dump_logits:
+        dump_logits(args.dump_logits, result, sequences)
+    return 0
+
+
+# ------------------------------------------------------------------------------------ inspect
+def cmd_inspect(args, rest: list[str]) -> int:
+    try:
+        from . import inspect as inspect_package
+    except ImportError as e:
+        raise CliError(f"dsv41 inspect is not available in this installation ({e})") from None
+    entry = getattr(inspect_package, "main", None)
+    if entry is None:
+        raise CliError("dsv41 inspect is not available in this installation (dsv41.inspect has no main)")
+    return entry(rest) or 0
+
+
+# ------------------------------------------------------------------------------------ entry point
+_COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "score": cmd_score}
+
+
+# ConfigError, CheckpointError, CacheError, TokenizerError and the engine's checks are ValueErrors.
+USER_ERRORS = (CliError, ValueError, OSError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "inspect":
+            return cmd_inspect(args, argv[argv.index("inspect") + 1:])
+        return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except USER_ERRORS as e:
+        if os.environ.get("DSV41_DEBUG"):
+            raise
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"dsv41: error: {message}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
