@@ -47,7 +47,7 @@ class ModelCache:
     sources: dict[int, SourceState]
     engram_history: object | None = None
     length: int = 0
-    """Positions 0 … length − 1 have been written; the next call may start at any s ≤ length."""
+    """Positions 0 … length − 1 have been written; the next call starts at `length` or restarts at 0."""
     published_keys: int | None = None
     """The kv source whose index keys were published last (only read in stale-key mode, trap 15)."""
     extras: dict = field(default_factory=dict)
@@ -57,6 +57,11 @@ class ModelCache:
             raise CacheError(f"batch of {batch} rows given to a cache created for {self.batch_size}")
         if start_pos < 0 or start_pos > self.length:
             raise CacheError(f"start_pos {start_pos} leaves a gap: the cache holds positions 0 … {self.length - 1}")
+        if 0 < start_pos < self.length:
+            # the window ring and the pooling tail already hold later positions in the slots this call
+            # would read; continuing at `length` or restarting at 0 is exact
+            raise CacheError(f"start_pos {start_pos} rewinds a cache that holds positions 0 … {self.length - 1}: "
+                             f"continue at {self.length} or restart at 0")
         if start_pos + length > self.max_seq_len:
             raise CacheError(f"positions {start_pos} … {start_pos + length - 1} exceed the cache's context of "
                              f"{self.max_seq_len} tokens")

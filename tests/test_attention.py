@@ -440,3 +440,46 @@ def test_stale_index_keys_switch():
         models[k](ids[:, 21:22], 21, caches[k])
         x, got, step = seen[k][-1]
         assert torch.equal(got, expected_selection(models[k], 2, x, step, caches[k].sources[2].index_keys)), k
+
+
+# ------------------------------------------------------------------------------------------ released sizes (trap 22)
+
+def test_candidate_stage_with_more_than_2048_blocks():
+    # released sizes: Nb = 2048 blocks of Bs = 8 kept out of 2050 (C = 16 396 visible positions)
+    C, Bs, Nb = 2049 * 8 + 4, 8, 2048
+    g = torch.Generator().manual_seed(30)
+    scores = torch.rand(1, 1, C, generator=g, dtype=torch.float64).float() + 1.0
+    scores[..., 8 * 5:8 * 6] = 0.1                   # two weak full blocks: 5 and 17
+    scores[..., 8 * 17:8 * 18] = 0.2
+    scores[..., 8 * 2049:] = 0.0                       # the newest block (partial, 4 positions) is the weakest
+    keep = candidate_blocks(scores, torch.tensor([C]), Nb, Bs)
+    kept_blocks = keep[0, 0, ::Bs]
+    assert int(kept_blocks.sum()) == Nb
+    dropped = (~kept_blocks).nonzero().flatten().tolist()
+    assert dropped == [5, 17]
+    assert keep[0, 0, 8 * 2049:].all()
+
+
+def test_topk_512_of_a_long_context():
+    C, K = 16396, 512
+    g = torch.Generator().manual_seed(31)
+    scores = torch.randperm(C, generator=g).float().view(1, 1, C)
+    visible = torch.tensor([C - 3])
+    scores[..., C - 3:] = NEG_INF
+    got = select_topk(scores, visible, K)[0, 0]
+    expect = scores[0, 0, :C - 3].topk(K).indices.sort().values
+    assert torch.equal(got, expect)
+    assert got.dtype == torch.int64                    # int64 indices: offsets may pass 2^31 (trap 24)
+
+
+def test_sparse_attention_released_head_width():
+    # 512-wide latent, window 128 + top-K 512 = 640 indices for one query, 4 of the 64 heads
+    g = torch.Generator().manual_seed(32)
+    q = torch.randn(1, 1, 4, 512, generator=g)
+    pool = torch.randn(1, 128 + 1 + 700, 512, generator=g)
+    rows = torch.randperm(pool.shape[1], generator=g)[:640].view(1, 1, 640)
+    rows[..., 600:] = -1
+    sink = torch.randn(4, generator=g)
+    got = sparse_attention(q, pool, rows, sink, 512 ** -0.5, round_probs=False)
+    expect = dense_attention_oracle(q, pool, rows, sink, 512 ** -0.5)
+    torch.testing.assert_close(got.double(), expect, rtol=0, atol=1e-5)

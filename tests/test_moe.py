@@ -179,11 +179,14 @@ def test_moe_reference_numerics_against_loop(tokens):
     got = moe(x)
     assert got.dtype == torch.bfloat16
     expect = moe_oracle(moe, x, None, quantised=True)
-    # both round at the same points; GEMM summation order can move one bf16 ulp at an intermediate
-    # rounding, so allow a few ulps of the output scale
+    # Both round at the same points, so they agree bit for bit here (measured: 0 differing elements).
+    # A GEMM summing in another order could move an intermediate by one bf16 ulp, so allow up to 1% of
+    # elements to differ by one output ulp. Moving the routing weight after w2, or clamping the gate
+    # from below too, changes > 90% of the elements by up to 0.08 on this data.
     scale = expect.float().abs().max().item()
-    torch.testing.assert_close(got.float(), expect.float(), rtol=0.02, atol=0.02 * scale)
-    assert (got.float() - expect.float()).abs().mean() < 2e-3 * scale
+    diff = (got.float() - expect.float()).abs()
+    assert (diff > 0).float().mean() <= 0.01
+    assert diff.max() <= scale * 2 ** -8
 
 
 def test_grouped_and_gathered_paths_agree():

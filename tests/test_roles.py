@@ -8,8 +8,6 @@ from dsv41.config import RuntimeConfig
 from dsv41.model import Transformer
 from dsv41.roles import POOLED, TOKEN, WINDOW, derive_roles, roles_table, seed_groups
 
-import helpers
-
 POOLED_SOURCES = {2: range(3, 8), 8: range(9, 14), 14: range(15, 20)}
 REINDEXERS = (24, 28, 32, 36)
 
