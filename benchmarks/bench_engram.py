@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from dsv41.config import ModelConfig
+from dsv41.config import RELEASED_CONFIG, ModelConfig
 from dsv41.engram import Engram, EngramHistory, EngramLayout, EngramTable, NgramHasher
 
-RELEASE = Path(__file__).resolve().parents[1] / ".." / "shared" / "spec" / "config.json"
+RELEASE = RELEASED_CONFIG
 ROW_BYTES = 256 + 8  # e4m3 row plus its 8 ue8m0 scales
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dsv41.config import ModelConfig, RuntimeConfig
+from dsv41.config import RELEASED_CONFIG, ModelConfig, RuntimeConfig
 from dsv41.init import init_random_
 from dsv41.model import Transformer
 
@@ -47,7 +47,7 @@ def config() -> ModelConfig:
 
 
 def _released() -> Path:
-    return Path(__file__).resolve().parents[1] / ".." / "shared" / "spec" / "config.json"
+    return RELEASED_CONFIG
 
 
 @torch.no_grad()

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+# The released inference/config.json of DeepSeek-V4.1-Flash, shipped with the package (MIT).
+RELEASED_CONFIG = Path(__file__).resolve().parent / "configs" / "deepseek-v4.1-flash.json"
 
 
 class ConfigError(ValueError):

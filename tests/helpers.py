@@ -24,18 +24,14 @@ The window is 8 positions, so any test with more than 8 positions crosses the ri
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
-from dsv41.config import ModelConfig, RuntimeConfig
+from dsv41.config import RELEASED_CONFIG, ModelConfig, RuntimeConfig  # noqa: F401 (re-exported)
 from dsv41.init import init_random_
 from dsv41.model import Transformer
 
 MAX_SEQ = 64  # cache and rotary reach of every tiny-model test
-# the shared spec sits next to the repository (DEVELOPING.md: ../shared/spec/)
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-RELEASED_CONFIG = SHARED / "spec" / "config.json"
 
 _TINY = dict(
     vocab_size=256, dim=64, moe_inter_dim=32, n_layers=8, n_heads=4, n_routed_experts=4, n_shared_experts=1,

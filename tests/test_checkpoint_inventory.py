@@ -1,13 +1,12 @@
 """The released inventory against the figures and tables of CHECKPOINT.md §3–§4."""
 
-from pathlib import Path
 
 import pytest
 
 from dsv41.checkpoint import inventory_bytes, released_inventory
-from dsv41.config import ModelConfig
+from dsv41.config import RELEASED_CONFIG, ModelConfig
 
-CONFIG = Path(__file__).resolve().parents[2] / "shared" / "spec" / "config.json"
+CONFIG = RELEASED_CONFIG
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,14 @@
 """The tensor-parallel table against CHECKPOINT.md §5."""
 
-from pathlib import Path
 
 import pytest
 
 from dsv41.checkpoint import (ENGRAM_ROWS, EXPERT, REPLICATE, SPLIT, ShardingError, allowed_world_sizes,
                               check_world_size, engram_rows_per_rank, rank_slice, released_inventory,
                               routed_expert_count, shard_rule)
-from dsv41.config import ModelConfig
+from dsv41.config import RELEASED_CONFIG, ModelConfig
 
-CONFIG = Path(__file__).resolve().parents[2] / "shared" / "spec" / "config.json"
+CONFIG = RELEASED_CONFIG
 
 
 @pytest.fixture(scope="module")

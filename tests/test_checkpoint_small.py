@@ -1,15 +1,14 @@
 """A small config end to end: inventory -> random checkpoint on disk -> CheckpointDir -> TP slices."""
 
-from pathlib import Path
 
 import pytest
 import torch
 
 from dsv41.checkpoint import (SPLIT, CheckpointDir, CheckpointError, allowed_world_sizes, rank_slice,
                               released_inventory, routed_expert_count, save_checkpoint, shard_rule, torch_dtype)
-from dsv41.config import ModelConfig
+from dsv41.config import RELEASED_CONFIG, ModelConfig
 
-CONFIG = Path(__file__).resolve().parents[2] / "shared" / "spec" / "config.json"
+CONFIG = RELEASED_CONFIG
 
 
 def small_config() -> ModelConfig:

@@ -22,7 +22,7 @@ import torch
 import dsv41
 from dsv41 import cli
 from dsv41.chat import encode_messages
-from dsv41.config import RuntimeConfig
+from dsv41.config import RELEASED_CONFIG, RuntimeConfig
 from dsv41.demo import ensure_demo_checkpoint
 from dsv41.generate import GenerationConfig, generate_all
 from dsv41.sampling import SamplingParams
@@ -30,7 +30,7 @@ from dsv41.score import score
 from dsv41.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-SPEC_CONFIG = REPO.parent / "shared" / "spec" / "config.json"
+SPEC_CONFIG = RELEASED_CONFIG
 STATS = re.compile(r"prompt (\d+) tokens, generated (\d+) tokens, TTFT \d+ ms, [\d.]+ tok/s, "
                    r"finish: (eos|stop|length|context)")
 

@@ -11,7 +11,7 @@ import torch
 
 from dsv41.checkpoint import CheckpointDir
 from dsv41.checkpoint.model_io import save_model
-from dsv41.config import ModelConfig, RuntimeConfig
+from dsv41.config import RELEASED_CONFIG, ModelConfig, RuntimeConfig
 from dsv41.init import init_random_
 from dsv41.inspect import inspect_model, main, render_text, to_dict, write_html
 from dsv41.inspect.locations import build_meta_model
@@ -19,7 +19,7 @@ from dsv41.inspect.mathml import MathMLError, to_mathml
 from dsv41.model import Transformer
 from dsv41.roles import seed_groups
 
-CONFIG = Path(__file__).resolve().parents[2] / "shared" / "spec" / "config.json"
+CONFIG = RELEASED_CONFIG
 
 # PARAMETERS.md §5, in the seed documents' order.
 SEED_GROUPS = [
