@@ -51,6 +51,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="activation dtype; float32 needs --numerics fast (default: bfloat16)")
+    g.add_argument("--engram-on-disk", action="store_true",
+                   help="keep the Engram tables memory-mapped: only looked-up rows are ever read")
     g.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT, metavar="N",
                    help=f"positions the cache holds, prompt plus completion (default: {DEFAULT_MAX_CONTEXT})")
 
@@ -163,7 +165,7 @@ def load_model(path: Path, args, batch_size: int):
     device = _device(args)
     runtime = RuntimeConfig(max_batch_size=batch_size, max_seq_len=args.max_context, device=device,
                             dtype=args.dtype, numerics=args.numerics)
-    return load(path, runtime, device=device)
+    return load(path, runtime, device=device, engram_on_disk=args.engram_on_disk)
 
 
 def generation_config(args, stop_strings=(), stop_ids=()):

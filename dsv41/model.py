@@ -11,6 +11,7 @@ with different metadata.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         self.head = Head(cfg.vocab_size, cfg.dim, device=device)
         self.hasher = None
+        self._engram_pool: ThreadPoolExecutor | None = None             # this model's own, made on first use
         if cfg.engram_layer_ids:
             from .engram import EngramLayout
             self.engram_layout = EngramLayout.from_config(cfg)
@@ -136,7 +138,7 @@ class Transformer(nn.Module):
         self._check_ids(ids)
         image_mask = None if token_types is None else token_types >= 0
         text_mask = None if image_mask is None else ~image_mask
-        engram_rows = self._engram_rows(ids, start_pos, cache, text_mask)
+        engram_rows = self._gather_engram_rows(ids, start_pos, cache, text_mask)
         step = ForwardState(start_pos=start_pos, length=T,
                             positions=torch.arange(start_pos, start_pos + T, device=ids.device),
                             stale_index_keys=self.runtime.stale_index_keys)
@@ -145,7 +147,7 @@ class Transformer(nn.Module):
         targets = []
         for block in self.layers:
             if block.engram is not None:
-                x = block.engram(x, engram_rows[block.role.engram_index], text_mask)
+                x = block.engram(x, engram_rows[block.role.engram_index].result(), text_mask)
             if block.role.is_dspark_target:
                 targets.append(x.float().mean(dim=2).to(x.dtype))
             x, pre = block(x, pre, step, cache, image_mask)
@@ -164,8 +166,13 @@ class Transformer(nn.Module):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}), got min {int(ids.min())} "
                              f"max {int(ids.max())}")
 
-    def _engram_rows(self, ids, start_pos, cache, text_mask) -> list[torch.Tensor]:
-        """Hash ids are known from the tokens, so every Engram layer's rows are gathered up front."""
+    def _gather_engram_rows(self, ids, start_pos, cache, text_mask) -> list[Future]:
+        """Issue every Engram layer's row gather before the blocks run (hash ids depend only on tokens).
+
+        A table held away from the compute path (memory-mapped, or in host memory for an accelerator
+        model) is read on a background thread, overlapping the page faults and copies with the blocks
+        before the Engram layer; a resident table is gathered at once.
+        """
         if not self.cfg.engram_layer_ids:
             return []
         if self.hasher is None:
@@ -173,4 +180,18 @@ class Transformer(nn.Module):
                                "token_map=… or call set_token_map (ENGRAM-HASHING.md §1)")
         hash_ids = self.hasher(ids, start_pos, cache.engram_history, text_mask)       # [B, T, nE, N]
         engrams = {b.role.engram_index: b.engram for b in self.layers if b.engram is not None}
-        return [engrams[e].gather(hash_ids[:, :, e], ids.device) for e in range(len(engrams))]
+        futures = []
+        for e in range(len(engrams)):
+            engram, column = engrams[e], hash_ids[:, :, e]
+            if engram.embed.movable and engram.embed.weight.device == ids.device:
+                done = Future()
+                done.set_result(engram.gather(column, ids.device))
+                futures.append(done)
+            else:
+                futures.append(self._gather_pool().submit(engram.gather, column, ids.device))
+        return futures
+
+    def _gather_pool(self) -> ThreadPoolExecutor:
+        if self._engram_pool is None:
+            self._engram_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-engram")
+        return self._engram_pool
