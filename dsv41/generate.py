@@ -214,18 +214,18 @@ class _Batch:
         return [r.index for r in self.rows if not r.done and pos >= r.prompt_len]
 
 
-def check_prompts(prompts: list[list[int]], context: int, vocab: int) -> None:
+def check_prompts(prompts: list[list[int]], context: int, vocab: int, what: str = "prompt") -> None:
     """Every prompt non-empty, in the vocabulary and within the context — checked before any model call."""
     if not prompts:
-        raise ValueError("no prompts given")
+        raise ValueError(f"no {what}s given")
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
-            raise ValueError(f"prompt {i} is empty (it needs at least one token, e.g. BOS)")
+            raise ValueError(f"{what} {i} is empty (it needs at least one token, e.g. BOS)")
         if len(prompt) > context:
-            raise ValueError(f"prompt {i} has {len(prompt)} tokens, more than the context of {context} tokens")
+            raise ValueError(f"{what} {i} has {len(prompt)} tokens, more than the context of {context} tokens")
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, {vocab})")
+            raise ValueError(f"{what} {i} holds token id {bad[0]}, outside the vocabulary [0, {vocab})")
 
 
 def _end_ids(tokenizer: Tokenizer, config: GenerationConfig) -> dict[int, str]:

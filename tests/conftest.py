@@ -34,3 +34,14 @@ def binding_cfg():
 def released_cfg():
     from dsv41.config import ModelConfig
     return ModelConfig.from_json(helpers.RELEASED_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory):
+    """The built-in demo checkpoint, created once per test session in a private DSV41_CACHE."""
+    from dsv41.demo import ensure_demo_checkpoint
+
+    root = tmp_path_factory.getbasetemp() / "dsv41-cache"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSV41_CACHE", str(root))
+        return ensure_demo_checkpoint()

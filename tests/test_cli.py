@@ -23,7 +23,6 @@ import dsv41
 from dsv41 import cli
 from dsv41.chat import encode_messages
 from dsv41.config import RELEASED_CONFIG, RuntimeConfig
-from dsv41.demo import ensure_demo_checkpoint
 from dsv41.generate import GenerationConfig, generate_all
 from dsv41.sampling import SamplingParams
 from dsv41.score import score
@@ -33,15 +32,6 @@ REPO = Path(__file__).resolve().parents[1]
 SPEC_CONFIG = RELEASED_CONFIG
 STATS = re.compile(r"prompt (\d+) tokens, generated (\d+) tokens, TTFT \d+ ms, [\d.]+ tok/s, "
                    r"finish: (eos|stop|length|context)")
-
-
-@pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory):
-    # Same directory as test_generate.py's fixture: the demo is built once per session.
-    root = tmp_path_factory.getbasetemp() / "dsv41-cache"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DSV41_CACHE", str(root))
-        return ensure_demo_checkpoint()
 
 
 @pytest.fixture(scope="session")

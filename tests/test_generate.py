@@ -16,7 +16,6 @@ import dsv41
 from dsv41.cache import ModelCache
 from dsv41.chat import BOS
 from dsv41.config import RuntimeConfig
-from dsv41.demo import ensure_demo_checkpoint
 from dsv41.generate import GenerationConfig, StopStringFilter, generate, generate_all
 from dsv41.model import ModelOutput
 from dsv41.sampling import SamplingParams
@@ -25,15 +24,6 @@ from dsv41.tokenizer import REPLACEMENT_CHAR, Tokenizer, TokenizerError
 
 GREEDY = SamplingParams(temperature=0.0)
 CONTEXT = 64
-
-
-@pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory):
-    # One demo per test session, shared with test_cli.py (same directory, created once).
-    root = tmp_path_factory.getbasetemp() / "dsv41-cache"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DSV41_CACHE", str(root))
-        return ensure_demo_checkpoint()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from dsv41 import formats
 from dsv41.checkpoint import CheckpointDir, CheckpointError, save_checkpoint
 from dsv41.checkpoint.model_io import load_model, save_model, stored_tensors
 from dsv41.config import RuntimeConfig
-from dsv41.demo import create_demo_checkpoint
 
 from helpers import MAX_SEQ, binding_config, build, token_ids, without_dspark
 
@@ -136,11 +135,6 @@ def test_every_stored_tensor_comes_from_the_model(saved):
     model, directory = saved
     names = [n for n, _ in stored_tensors(model, model.cfg)]
     assert names == CheckpointDir(directory).names()
-
-
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    return create_demo_checkpoint(tmp_path_factory.mktemp("demo") / "demo")
 
 
 def test_engram_tables_can_stay_memory_mapped(demo_dir):
