@@ -28,6 +28,8 @@ from .rope import Rotary
 
 # Largest negative logit the running max starts from (§11.7).
 SCORE_FLOOR = -1e30
+# Indices per block of the reference kernel's online softmax (kernel.py `block`, §11.7).
+REFERENCE_BLOCK = 64
 
 
 @dataclass
@@ -50,38 +52,60 @@ class ForwardState:
 
 
 def window_indices(start_pos: int, length: int, window: int, device=None) -> torch.Tensor:
-    """[T, W] pool rows each query sees in its window (−1 for none), pool = [ring (W) | call (T) | …].
+    """[T, n] pool rows each query sees in its window (−1 for none), pool = [ring (W) | call (T) | …].
 
     Query p sees positions max(0, p − W + 1) … p: those before the call from ring slot q mod W, the
-    rest from the call's own rows (generalises §11.2 to any start and length).
+    rest from the call's own rows (generalises §11.2 to any start and length). The order of the list
+    is the reference's, because the blockwise softmax rounds per block of 64 entries (§11.7): a call
+    from position 0 lists min(T, W) entries, valid ones first; any other call lists W entries, oldest
+    first, −1 for positions before 0.
     """
     p = torch.arange(start_pos, start_pos + length, device=device).unsqueeze(1)
+    if start_pos == 0:
+        q = (p - window + 1).clamp(min=0) + torch.arange(min(length, window), device=device)
+        return torch.where(q <= p, window + q, -1)
     q = p - window + 1 + torch.arange(window, device=device)                  # [T, W] positions
     rows = torch.where(q >= start_pos, window + (q - start_pos), q % window)
     return torch.where(q >= 0, rows, -1)
 
 
+def _gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """pool [B, N, Dh], rows [B, T, n] → fp32 [B, T, n, Dh], zeros where the row is −1."""
+    picked = torch.gather(pool.unsqueeze(1).expand(-1, rows.shape[1], -1, -1), 2,
+                          rows.clamp(min=0).unsqueeze(-1).expand(-1, -1, -1, pool.shape[-1]))
+    return picked.float() * (rows >= 0).unsqueeze(-1)
+
+
 def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor,
-                     scale: float, *, round_probs: bool = True) -> torch.Tensor:
+                     scale: float, *, block: int | None = REFERENCE_BLOCK) -> torch.Tensor:
     """Attention of q [B, T, H, Dh] over the listed rows [B, T, n] of pool [B, N, Dh] with a sink (§11.7).
 
     K = V (one latent); the sink sits in the denominator only, in scaled-logit units; rows of −1 are
-    ignored; a query with no row returns zeros. Probabilities are rounded to bf16 before P·V while the
-    denominator keeps fp32 (`round_probs`, reference numerics).
+    ignored; a query with no row returns zeros. With `block` (reference numerics) the list is walked in
+    blocks with an online softmax whose probabilities are rounded to bf16 against the running maximum
+    before P·V, the denominator keeping fp32, as the reference kernel does; `block=None` is one exact
+    fp32 softmax over the whole list.
     """
-    valid = rows >= 0                                                          # [B, T, n]
-    picked = torch.gather(pool.unsqueeze(1).expand(-1, rows.shape[1], -1, -1), 2,
-                          rows.clamp(min=0).unsqueeze(-1).expand(-1, -1, -1, pool.shape[-1]))   # [B, T, n, Dh]
-    kv = picked.float()
-    z = torch.einsum("bthd,btnd->bthn", q.float(), kv) * scale
-    z = z.masked_fill(~valid.unsqueeze(2), float("-inf"))
-    m = z.amax(dim=-1, keepdim=True).clamp(min=SCORE_FLOOR)
-    p = torch.exp(z - m)
-    denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink.float().view(1, 1, -1, 1) - m)
-    if round_probs:
-        p = p.to(torch.bfloat16).float()
-    out = torch.einsum("bthn,btnd->bthd", p, kv) / denom
-    return out.to(q.dtype)
+    B, T, H, _ = q.shape
+    qf, step = q.float(), block or rows.shape[-1]
+    out = torch.zeros(qf.shape, device=q.device)
+    denom = torch.zeros(B, T, H, 1, device=q.device)
+    m = torch.full((B, T, H, 1), SCORE_FLOOR, device=q.device)
+    for start in range(0, rows.shape[-1], step):
+        part = rows[..., start:start + step]
+        kv = _gather_rows(pool, part)                                              # [B, T, n, Dh]
+        z = torch.einsum("bthd,btnd->bthn", qf, kv)
+        z = z.masked_fill(~(part >= 0).unsqueeze(2), float("-inf")) * scale
+        m_new = torch.maximum(m, z.amax(dim=-1, keepdim=True))
+        rescale = torch.exp(m - m_new)
+        p = torch.exp(z - m_new)
+        denom = denom * rescale + p.sum(dim=-1, keepdim=True)
+        if block is not None:
+            p = p.to(torch.bfloat16).float()
+        out = out * rescale + torch.einsum("bthn,btnd->bthd", p, kv)
+        m = m_new
+    denom = denom + torch.exp(sink.float().view(1, 1, -1, 1) - m)
+    return (out / denom).to(q.dtype)
 
 
 class Attention(nn.Module):
@@ -137,7 +161,7 @@ class Attention(nn.Module):
             rows = torch.cat([rows, torch.where(selected >= 0, selected + self.window + T, -1)], dim=-1)
 
         o = sparse_attention(q, pool, rows, self.attn_sink, self.softmax_scale,
-                             round_probs=self.numerics == "reference")
+                             block=REFERENCE_BLOCK if self.numerics == "reference" else None)
         self._write_ring(ring, kv, step.start_pos)
         o = self.rotary.rotate(o, pos, inverse=True)                                # trap 11
         return self.wo_b(self._grouped_output(o))

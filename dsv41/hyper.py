@@ -14,7 +14,9 @@ import torch
 
 def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """c [..., S, S] logits → near doubly stochastic; row softmax first, ends on a column step (§7.4)."""
-    c = c.softmax(dim=-1) + eps
+    # the row softmax written out as exp / sum, as the reference kernel computes it (same rounding)
+    c = torch.exp(c - c.amax(dim=-1, keepdim=True))
+    c = c / c.sum(dim=-1, keepdim=True) + eps
     c = c / (c.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         c = c / (c.sum(dim=-1, keepdim=True) + eps)
@@ -39,7 +41,8 @@ def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 def expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """hc_post: stream j = bf16(post_j · o + Σ_i comb[i][j] · R_i); → [B, T, S, D]."""
-    mixed = torch.einsum("btij,btid->btjd", comb, residual.float())
+    # summed over i as a plain reduction (not a matmul) so the fp32 rounding matches the reference
+    mixed = (comb.unsqueeze(-1) * residual.float().unsqueeze(-2)).sum(dim=2)
     return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(out.dtype)
 
 

@@ -125,6 +125,10 @@ class RoutedExperts(nn.Module):
             token, expert, w = token[local], expert[local], w[local]
         if expert.numel() == 0:
             return x.new_zeros(n, x.shape[1], dtype=torch.float32)
+        # Pairs in expert order: the grouped GEMM needs it, and the fp32 sum over a token's experts then
+        # runs in ascending expert order, as the reference's expert loop adds them.
+        order = torch.argsort(expert, stable=True)
+        token, expert, w = token[order], expert[order], w[order]
         if expert.numel() < self.n_experts:
             out = self._gathered(x[token], expert, w)
         else:
@@ -148,15 +152,11 @@ class RoutedExperts(nn.Module):
         return torch.bmm(h, self.w2.dequantized(expert, dt).transpose(1, 2)).squeeze(1).to(out_dtype)
 
     def _grouped(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        out_dtype = x.dtype
-        order = torch.argsort(expert, stable=True)
+        """Pairs already sorted by expert → outputs [P, D] (one grouped GEMM per projection)."""
         ends = torch.bincount(expert, minlength=self.n_experts).cumsum(0)
-        xs = self._activation(x[order])
+        xs = self._activation(x)
         gate, up = self._grouped_mm(xs, self.w1, ends), self._grouped_mm(xs, self.w3, ends)
-        h = self._finish(gate, up, w[order], out_dtype)
-        out = torch.empty_like(x)
-        out[order] = self._grouped_mm(h, self.w2, ends)
-        return out
+        return self._grouped_mm(self._finish(gate, up, w, x.dtype), self.w2, ends)
 
     def _grouped_mm(self, a: torch.Tensor, bank: StackedWeight, ends: torch.Tensor) -> torch.Tensor:
         """Rows of a sorted by expert, expert e owning rows [ends[e−1], ends[e]) → a_e · W_eᵀ, bf16.

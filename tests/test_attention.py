@@ -44,21 +44,24 @@ def test_window_indices_against_brute_force(W):
     for start_pos in range(0, 21):
         for T in range(1, 13):
             got = window_indices(start_pos, T, W)
-            assert got.shape == (T, W)
+            width = min(T, W) if start_pos == 0 else W                      # the reference's list widths
+            assert got.shape == (T, width)
             expect = window_rows_brute_force(start_pos, T, W)
             for t in range(T):
                 row = got[t].tolist()
                 valid = [r for r in row if r >= 0]
                 assert sorted(valid) == expect[t], (start_pos, T, W, t)
                 assert len(valid) == len(set(valid))
-                assert row.count(-1) == W - len(valid)
+                assert row.count(-1) == width - len(valid)
 
 
 def test_window_indices_wrap_around_example():
     # W = 4, decode at p = 9: positions 6, 7, 8 from ring slots 2, 3, 0 and p itself from call row 0
     assert window_indices(9, 1, 4).tolist() == [[2, 3, 0, 4]]
-    # prefill from 0: query 1 sees positions 0, 1 only
-    assert window_indices(0, 3, 4).tolist()[1] == [-1, -1, 4, 5]
+    # prefill from 0 lists min(T, W) entries, valid first (the reference's order): query 1 sees 0, 1
+    assert window_indices(0, 3, 4).tolist()[1] == [4, 5, -1]
+    # decode before the ring is full lists W entries, −1 (positions before 0) first
+    assert window_indices(2, 1, 4).tolist() == [[-1, 0, 1, 4]]
 
 
 # ------------------------------------------------------------------------------------------ sparse attention
@@ -106,15 +109,18 @@ def attention_inputs():
 
 def test_sparse_attention_matches_dense_oracle(attention_inputs):
     q, pool, rows, sink, scale = attention_inputs
-    got = sparse_attention(q, pool, rows, sink, scale, round_probs=False)
+    got = sparse_attention(q, pool, rows, sink, scale, block=None)
     expect = dense_attention_oracle(q, pool, rows, sink, scale)
     torch.testing.assert_close(got.double(), expect, rtol=0, atol=1e-5)
     assert torch.equal(got[0, 2], torch.zeros_like(got[0, 2]))
 
 
-def test_sparse_attention_rounded_probabilities(attention_inputs):
+@pytest.mark.parametrize("block", [64, 3, 1])
+def test_sparse_attention_rounded_probabilities(attention_inputs, block):
+    """Reference numerics: online softmax over blocks, bf16 probabilities; one block = the dense oracle
+    with rounded probabilities, several blocks stay within bf16 rounding of it."""
     q, pool, rows, sink, scale = attention_inputs
-    got = sparse_attention(q, pool, rows, sink, scale, round_probs=True)
+    got = sparse_attention(q, pool, rows, sink, scale, block=block)
     expect = dense_attention_oracle(q, pool, rows, sink, scale, round_probs=True)
     torch.testing.assert_close(got.double(), expect, rtol=0, atol=2e-3)
     assert torch.equal(got[0, 2], torch.zeros_like(got[0, 2]))
@@ -126,7 +132,7 @@ def test_sink_is_not_scaled_and_has_no_value():
     pool = torch.tensor([[[0.5, 0.25, -0.5, 1.0]]])
     z = float((q.flatten() * pool.flatten()).sum()) * 0.5
     sink = torch.tensor([0.3])
-    got = sparse_attention(q, pool, torch.zeros(1, 1, 1, dtype=torch.long), sink, 0.5, round_probs=False)
+    got = sparse_attention(q, pool, torch.zeros(1, 1, 1, dtype=torch.long), sink, 0.5, block=None)
     weight = math.exp(z) / (math.exp(z) + math.exp(0.3))
     torch.testing.assert_close(got.flatten(), pool.flatten() * weight, rtol=1e-6, atol=1e-7)
 
@@ -134,8 +140,8 @@ def test_sink_is_not_scaled_and_has_no_value():
 def test_row_order_does_not_matter(attention_inputs):
     q, pool, rows, sink, scale = attention_inputs
     perm = torch.randperm(rows.shape[-1], generator=torch.Generator().manual_seed(3))
-    a = sparse_attention(q, pool, rows, sink, scale, round_probs=False)
-    b = sparse_attention(q, pool, rows[..., perm], sink, scale, round_probs=False)
+    a = sparse_attention(q, pool, rows, sink, scale, block=None)
+    b = sparse_attention(q, pool, rows[..., perm], sink, scale, block=None)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
@@ -480,6 +486,6 @@ def test_sparse_attention_released_head_width():
     rows = torch.randperm(pool.shape[1], generator=g)[:640].view(1, 1, 640)
     rows[..., 600:] = -1
     sink = torch.randn(4, generator=g)
-    got = sparse_attention(q, pool, rows, sink, 512 ** -0.5, round_probs=False)
+    got = sparse_attention(q, pool, rows, sink, 512 ** -0.5, block=None)
     expect = dense_attention_oracle(q, pool, rows, sink, 512 ** -0.5)
     torch.testing.assert_close(got.double(), expect, rtol=0, atol=1e-5)

@@ -194,8 +194,10 @@ def test_grouped_and_gathered_paths_agree():
     x = torch.randn(1, 16, D, generator=torch.Generator().manual_seed(5))
     flat = x.flatten(0, 1)
     weights, ids = moe.route(flat)
-    grouped = moe.experts._grouped(flat[torch.arange(16).repeat_interleave(A)], ids.flatten(), weights.flatten())
-    gathered = moe.experts._gathered(flat[torch.arange(16).repeat_interleave(A)], ids.flatten(), weights.flatten())
+    order = torch.argsort(ids.flatten(), stable=True)                   # both take pairs in expert order
+    rows = flat[torch.arange(16).repeat_interleave(A)][order]
+    grouped = moe.experts._grouped(rows, ids.flatten()[order], weights.flatten()[order])
+    gathered = moe.experts._gathered(rows, ids.flatten()[order], weights.flatten()[order])
     torch.testing.assert_close(grouped, gathered, rtol=1e-5, atol=1e-6)
 
 
