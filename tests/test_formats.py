@@ -348,3 +348,10 @@ def test_zero_blocks_give_zeros_not_nan():
 def test_block_size_must_divide():
     with pytest.raises(ValueError):
         F.fp8_act_quant(torch.ones(2, 40))
+
+
+def test_e8m0_every_byte_decodes_to_its_power_of_two():
+    got = F.e8m0_to_float(torch.arange(256).to(torch.uint8))
+    for byte in range(255):
+        assert got[byte].item() == 2.0 ** (byte - 127), byte
+    assert math.isnan(got[255].item())
