@@ -200,20 +200,21 @@ def rank_tensors(ckpt: CheckpointDir, cfg: ModelConfig, rank: int, world_size: i
             yield name, ckpt.tensor(name, slice_dim=part.dim, start=part.start, stop=part.stop), part.pad
 
 
-def load_model(path: str | Path, runtime: RuntimeConfig | None = None, *, device: str = "cpu",
+def load_model(path: str | Path, runtime: RuntimeConfig | None = None, *, device: str | None = None,
                engram_on_disk: bool = False, progress: bool | None = None):
     """Build a Transformer from a released-layout directory (config.json, index + shards, tokenizer.json).
 
     The checkpoint is validated against the layout the config implies before anything is read; the
     model is built on the meta device and each tensor is materialised once, from the memory map, in
     its final format. `engram_on_disk` keeps the Engram tables memory-mapped (only looked-up rows are
-    ever read).
+    ever read). The device is `device`, else `runtime.device`.
     """
     from ..model import Transformer
 
     path = Path(path)
     cfg = ModelConfig.from_json(path / "config.json")
-    runtime = runtime or RuntimeConfig(device=device)
+    runtime = runtime or RuntimeConfig(device=device or "cpu")
+    device = device or runtime.device
     ckpt = CheckpointDir(path)
     ckpt.validate_against(released_inventory(cfg))
     token_map = _token_map(path, cfg)
