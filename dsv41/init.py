@@ -7,6 +7,7 @@ fp8 / fp4), so a random model exercises exactly the numerics a released checkpoi
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 from torch import nn
@@ -63,41 +64,51 @@ def init_stacked(m: StackedWeight, gen: torch.Generator) -> None:
             m.scale.data[e].copy_(s)
 
 
+def _generator(seed: int, name: str) -> torch.Generator:
+    """One stream per tensor name, so a tensor's values do not depend on which other parts exist."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+
+
+def _init_module(module: nn.Module, gen: torch.Generator) -> None:
+    if isinstance(module, Linear):
+        init_linear(module, gen)
+    elif isinstance(module, StackedWeight):
+        init_stacked(module, gen)
+    elif isinstance(module, RMSNorm):
+        module.weight.data.copy_((1 + 0.1 * _normal(module.weight.shape, 1.0, gen)).to(module.weight.dtype))
+    elif isinstance(module, (Embedding, Head)):
+        std = 1.0 if isinstance(module, Embedding) else module.weight.shape[1] ** -0.5
+        # both are bf16 in the checkpoint (the head is held in fp32)
+        module.weight.data.copy_(_normal(module.weight.shape, std, gen).to(torch.bfloat16).to(module.weight.dtype))
+    elif isinstance(module, Router):
+        module.weight.data.copy_(_normal(module.weight.shape, module.weight.shape[1] ** -0.5, gen).to(torch.bfloat16))
+        module.bias.data.copy_(0.1 * _normal(module.bias.shape, 1.0, gen))
+        if module.bias_vl is not None:
+            module.bias_vl.data.copy_(0.1 * _normal(module.bias_vl.shape, 1.0, gen))
+    elif isinstance(module, EngramTable):
+        init_engram_table(module, gen)
+
+
+def _init_bare_parameter(leaf: str, p: nn.Parameter, gen: torch.Generator) -> None:
+    if leaf.endswith("_fn"):
+        p.data.copy_(_normal(p.shape, 0.5 / math.sqrt(p.shape[1]), gen))
+    elif leaf.endswith("_base"):
+        p.data.copy_(0.5 * _normal(p.shape, 1.0, gen))
+    elif leaf.endswith("_scale") and leaf.startswith("hc_"):
+        p.data.copy_(1.0 + 0.1 * _normal(p.shape, 1.0, gen))
+    elif leaf == "attn_sink":
+        p.data.copy_(_normal(p.shape, 1.0, gen))
+    elif leaf in ("q_weight", "k_weight"):
+        p.data.copy_((1 + 0.1 * _normal(p.shape, 1.0, gen)).to(p.dtype))
+
+
 @torch.no_grad()
 def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Fill every parameter of a dsv41 model deterministically from `seed` (CPU generator)."""
-    gen = torch.Generator().manual_seed(seed)
+    """Fill every parameter of a dsv41 model deterministically from `seed` and the tensor's name."""
     for name, module in model.named_modules():
-        if isinstance(module, Linear):
-            init_linear(module, gen)
-        elif isinstance(module, StackedWeight):
-            init_stacked(module, gen)
-        elif isinstance(module, RMSNorm):
-            module.weight.data.copy_((1 + 0.1 * _normal(module.weight.shape, 1.0, gen)).to(module.weight.dtype))
-        elif isinstance(module, (Embedding, Head)):
-            std = 1.0 if isinstance(module, Embedding) else module.weight.shape[1] ** -0.5
-            # both are bf16 in the checkpoint (the head is held in fp32)
-            module.weight.data.copy_(_normal(module.weight.shape, std, gen).to(torch.bfloat16).to(module.weight.dtype))
-        elif isinstance(module, Router):
-            module.weight.data.copy_(_normal(module.weight.shape, module.weight.shape[1] ** -0.5, gen).to(torch.bfloat16))
-            module.bias.data.copy_(0.1 * _normal(module.bias.shape, 1.0, gen))
-            if module.bias_vl is not None:
-                module.bias_vl.data.copy_(0.1 * _normal(module.bias_vl.shape, 1.0, gen))
+        _init_module(module, _generator(seed, name))
     for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf.endswith("_fn"):
-            p.data.copy_(_normal(p.shape, 0.5 / math.sqrt(p.shape[1]), gen))
-        elif leaf.endswith("_base"):
-            p.data.copy_(0.5 * _normal(p.shape, 1.0, gen))
-        elif leaf.endswith("_scale") and leaf.startswith("hc_"):
-            p.data.copy_(1.0 + 0.1 * _normal(p.shape, 1.0, gen))
-        elif leaf == "attn_sink":
-            p.data.copy_(_normal(p.shape, 1.0, gen))
-        elif leaf in ("q_weight", "k_weight"):
-            p.data.copy_((1 + 0.1 * _normal(p.shape, 1.0, gen)).to(p.dtype))
-    for module in model.modules():
-        if isinstance(module, EngramTable):
-            init_engram_table(module, gen)
+        _init_bare_parameter(name.rsplit(".", 1)[-1], p, _generator(seed, name))
     return model
 
 

@@ -18,58 +18,13 @@ import torch
 from torch import nn
 
 from . import hyper
-from .attention import Attention, ForwardState
+from .attention import ForwardState
+from .block import Block
+from .dspark import Draft, DSparkStage, draft, observe
 from .cache import ModelCache, create_cache
 from .config import ModelConfig, RuntimeConfig
-from .layers import Embedding, Head, RMSNorm, dense_storage
-from .moe import MoE
-from .roles import LayerRole, derive_roles
-
-
-class Block(nn.Module):
-    """One layer: attention and MoE, each between a stream collapse and a stream expansion (§5)."""
-
-    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: str, device=None, dtype=torch.bfloat16):
-        super().__init__()
-        self.role = role
-        self.hc_iters, self.norm_eps, self.hc_eps = cfg.hc_sinkhorn_iters, cfg.norm_eps, cfg.hc_eps
-        kw = dict(numerics=numerics, device=device, dtype=dtype)
-        self.attn = Attention(cfg, role, **kw)
-        n_experts, n_active = ((cfg.dspark_n_routed_experts, cfg.dspark_n_activated_experts) if role.is_dspark
-                               else (cfg.n_routed_experts, cfg.n_activated_experts))
-        self.ffn = MoE(cfg.dim, cfg.moe_inter_dim, n_experts, n_active, cfg.route_scale, cfg.swiglu_limit,
-                       cfg.expert_dtype, vision=cfg.vision_enabled, gate_temp=cfg.gate_temp,
-                       dense_storage=dense_storage(cfg), **kw)
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
-        width, flat = cfg.hc_mix_width, cfg.hc_mult * cfg.dim
-        for sub in ("attn", "ffn"):
-            self.register_parameter(f"hc_{sub}_fn", _fp32_param((width, flat), device))
-            self.register_parameter(f"hc_{sub}_base", _fp32_param((width,), device))
-            self.register_parameter(f"hc_{sub}_scale", _fp32_param((3,), device))
-        self.engram = None
-        if role.has_engram:
-            from .engram import Engram
-            self.engram = Engram(cfg, role.engram_index, numerics=numerics, device=device)
-
-    def _mixes(self, x: torch.Tensor, sub: str):
-        return hyper.mixes(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
-                           getattr(self, f"hc_{sub}_base"), iters=self.hc_iters, norm_eps=self.norm_eps,
-                           hc_eps=self.hc_eps)
-
-    def forward(self, x: torch.Tensor, pre: torch.Tensor, step: ForwardState, cache: ModelCache,
-                image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, S, D], pre [B, T, S] (from the previous sublayer, trap 1) → (x, pre for the next)."""
-        pre_attn, post, comb = self._mixes(x, "attn")
-        o = self.attn(self.attn_norm(hyper.collapse(x, pre)), step, cache)
-        x = hyper.expand(o, x, post, comb)
-        pre_ffn, post, comb = self._mixes(x, "ffn")
-        m = self.ffn(self.ffn_norm(hyper.collapse(x, pre_attn)), image_mask)
-        return hyper.expand(m, x, post, comb), pre_ffn
-
-
-def _fp32_param(shape: tuple[int, ...], device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, device=device, dtype=torch.float32), requires_grad=False)
+from .layers import Embedding, Head, RMSNorm
+from .roles import derive_roles
 
 
 @dataclass
@@ -93,6 +48,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, r, **kw) for r in self.roles[:cfg.n_layers])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         self.head = Head(cfg.vocab_size, cfg.dim, device=device)
+        if cfg.dspark_enabled:
+            # DSpark stages, stored under mtp.* (ARCHITECTURE.md §15); embedding and head are tied
+            self.mtp = nn.ModuleList(DSparkStage(cfg, r, **kw) for r in self.roles[cfg.n_layers:])
         self.hasher = None
         self._engram_pool: ThreadPoolExecutor | None = None             # this model's own, made on first use
         if cfg.engram_layer_ids:
@@ -154,6 +112,24 @@ class Transformer(nn.Module):
         cache.length = start_pos + T
         hidden = hyper.collapse(x, pre)
         return ModelOutput(hidden=hidden, dspark_hidden=torch.cat(targets, dim=-1) if targets else None)
+
+    def dspark_observe(self, dspark_hidden: torch.Tensor, start_pos: int, cache: ModelCache) -> None:
+        """Feed the DSpark rings the main rows of positions start_pos … (ModelOutput.dspark_hidden)."""
+        self._need_dspark()
+        observe(self.mtp, dspark_hidden, start_pos, cache)
+
+    def dspark_draft(self, token: torch.Tensor, last_pos: int, cache: ModelCache, choose=None) -> Draft:
+        """Draft dspark_block_size tokens after `token` [B] (the token of position last_pos + 1).
+
+        The rings must hold the main rows up to last_pos (`dspark_observe`); `choose` maps a row of
+        logits [B, V] to token ids (greedy by default).
+        """
+        self._need_dspark()
+        return draft(self.mtp, self.embed, self.head, self.cfg, token, last_pos, cache, choose)
+
+    def _need_dspark(self) -> None:
+        if not self.cfg.dspark_enabled:
+            raise RuntimeError("this model has no DSpark stages (n_mtp_layers / dspark_block_size are 0)")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [..., V] of the hidden states given (slice the positions you need first)."""

@@ -293,7 +293,8 @@ def test_compressor_chunk_split_invariance(bounds):
         for i in range(latent.shape[1]):
             rows[first + i] = latent[:, i]
     assert sorted(rows) == list(range(5))
-    torch.testing.assert_close(torch.stack([rows[j] for j in range(5)], 1), whole, rtol=0, atol=1e-6)
+    # fp32 GEMMs of different row counts may round differently in the last bit
+    torch.testing.assert_close(torch.stack([rows[j] for j in range(5)], 1), whole, rtol=0, atol=1e-5)
     # the odd tail is carried: one more position completes group 5 exactly as a one-shot call would
     y = torch.randn(2, 1, 64, generator=torch.Generator().manual_seed(14))
     latent, first = comp(y, 11, state)

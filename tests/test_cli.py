@@ -106,9 +106,10 @@ def test_score_ids_and_dump_logits(cli_env, demo_dir, tmp_path):
     logits = data["logits"]
     assert logits.shape == (2, 5, 709) and logits.dtype == np.float32
     assert data["lengths"].tolist() == [5, 3]
-    # entry t = next-token logits after token t: the same computation in-process (full prefill)
+    # entry t = next-token logits after token t: the same computation in-process (prefill 2, then
+    # decode; how decode and prefill agree is tested in test_generate.py)
     model = dsv41.load(demo_dir, RuntimeConfig(max_seq_len=cli.DEFAULT_MAX_CONTEXT))
-    expect = score(model, seqs).logits.numpy()
+    expect = score(model, seqs, prefill=2).logits.numpy()
     for i, n in enumerate([5, 3]):
         np.testing.assert_allclose(logits[i, :n], expect[i, :n], atol=1e-3)
     # the printed log-probs are the log-softmax of the dumped logits

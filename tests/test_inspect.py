@@ -269,7 +269,7 @@ def test_html_pages(report, tmp_path):
     _, compressor = _read_page(tmp_path / "compressor.html")
     assert "5,243,392" in compressor and "2,621,952" in compressor and "dsv41.compressor:Compressor" in compressor
     _, dspark = _read_page(tmp_path / "dspark_stage.html")
-    assert "4,693,504,118" in dspark and "not built by" in dspark
+    assert "4,693,504,118" in dspark and "dsv41.dspark:DSparkStage" in dspark
 
 
 # ------------------------------------------------------------------------------ components, code, MathML
@@ -277,7 +277,8 @@ def test_where_it_lives(report):
     assert report.modules["layers.2.attn.compressor"] == "dsv41.compressor:Compressor"
     assert report.modules["layers.1.engram"] == "dsv41.engram.module:Engram"
     assert report.modules["layers.0.ffn.experts"] == "dsv41.moe:RoutedExperts"
-    assert not any(p.startswith(("mtp.", "vision", "aligner")) for p in report.modules)  # not built
+    assert report.modules["mtp.0.attn"] == "dsv41.dspark:DSparkAttention"
+    assert not any(p.startswith(("vision", "aligner")) for p in report.modules)  # not built
     package_parent = Path(__file__).resolve().parents[1]
     for locations in report.code.values():
         for loc in locations:

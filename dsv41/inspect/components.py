@@ -458,8 +458,9 @@ def _dspark(x: _Context) -> ComponentKind:
          Port("inside", "draft rows", (x.B, f"{c.dspark_block_size} draft rows", x.S, x.D))),
         (f"stages mtp.0–{c.n_mtp_layers - 1} (layer ids {c.n_layers}–{c.n_all_layers - 1}); targets: the streams "
          f"entering layers {ranges(c.dspark_target_layer_ids)}",),
-        ("dsv41.checkpoint.inventory:_dspark_stage",), "ARCHITECTURE.md §15, GENERATION-AND-DSPARK.md",
-        present=c.dspark_enabled, built=False)
+        ("dsv41.dspark:DSparkStage", "dsv41.dspark:DSparkAttention.forward", "dsv41.dspark:draft"),
+        "ARCHITECTURE.md §15, GENERATION-AND-DSPARK.md",
+        present=c.dspark_enabled)
 
 
 def _vision(x: _Context) -> ComponentKind:

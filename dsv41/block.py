@@ -1,0 +1,65 @@
+"""One block of DeepSeek-V4.1 (ARCHITECTURE.md §5): hyper-connections around attention and MoE.
+
+Shapes: B batch, T positions, S streams (hc_mult), D dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import hyper
+from .attention import Attention, ForwardState
+from .cache import ModelCache
+from .config import ModelConfig
+from .layers import RMSNorm, dense_storage
+from .moe import MoE
+from .roles import LayerRole
+
+
+class Block(nn.Module):
+    """One layer: attention and MoE, each between a stream collapse and a stream expansion (§5)."""
+
+    attention_cls = Attention
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: str, device=None, dtype=torch.bfloat16):
+        super().__init__()
+        self.role = role
+        self.hc_iters, self.norm_eps, self.hc_eps = cfg.hc_sinkhorn_iters, cfg.norm_eps, cfg.hc_eps
+        kw = dict(numerics=numerics, device=device, dtype=dtype)
+        self.attn = self.attention_cls(cfg, role, **kw)
+        n_experts, n_active = ((cfg.dspark_n_routed_experts, cfg.dspark_n_activated_experts) if role.is_dspark
+                               else (cfg.n_routed_experts, cfg.n_activated_experts))
+        self.ffn = MoE(cfg.dim, cfg.moe_inter_dim, n_experts, n_active, cfg.route_scale, cfg.swiglu_limit,
+                       cfg.expert_dtype, vision=cfg.vision_enabled, gate_temp=cfg.gate_temp,
+                       dense_storage=dense_storage(cfg), **kw)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        width, flat = cfg.hc_mix_width, cfg.hc_mult * cfg.dim
+        for sub in ("attn", "ffn"):
+            self.register_parameter(f"hc_{sub}_fn", _fp32_param((width, flat), device))
+            self.register_parameter(f"hc_{sub}_base", _fp32_param((width,), device))
+            self.register_parameter(f"hc_{sub}_scale", _fp32_param((3,), device))
+        self.engram = None
+        if role.has_engram:
+            from .engram import Engram
+            self.engram = Engram(cfg, role.engram_index, numerics=numerics, device=device)
+
+    def _mixes(self, x: torch.Tensor, sub: str):
+        return hyper.mixes(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
+                           getattr(self, f"hc_{sub}_base"), iters=self.hc_iters, norm_eps=self.norm_eps,
+                           hc_eps=self.hc_eps)
+
+    def forward(self, x: torch.Tensor, pre: torch.Tensor, step: ForwardState, cache: ModelCache,
+                image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, S, D], pre [B, T, S] (from the previous sublayer, trap 1) → (x, pre for the next)."""
+        pre_attn, post, comb = self._mixes(x, "attn")
+        o = self.attn(self.attn_norm(hyper.collapse(x, pre)), step, cache)
+        x = hyper.expand(o, x, post, comb)
+        pre_ffn, post, comb = self._mixes(x, "ffn")
+        m = self.ffn(self.ffn_norm(hyper.collapse(x, pre_attn)), image_mask)
+        return hyper.expand(m, x, post, comb), pre_ffn
+
+
+def _fp32_param(shape: tuple[int, ...], device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device=device, dtype=torch.float32), requires_grad=False)

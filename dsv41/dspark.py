@@ -1,0 +1,162 @@
+"""DSpark draft stages (`mtp.0` … `mtp.{n−1}`): propose a block of tokens for speculative decoding.
+
+Shapes: B batch, T main rows, D dim, Dt = D · len(dspark_target_layer_ids), Bs draft rows
+(dspark_block_size: the last sampled token + Bs − 1 noise tokens), S streams, V vocab, Rm Markov rank.
+
+Each stage is a block with window-only attention (θ = rope_theta, no YaRN) and a smaller MoE, whose
+window ring holds KV made from the backbone (ARCHITECTURE.md §15): the stream means entering the target
+layers, projected by `main_proj` + `main_norm` of stage 0. Drafting runs the Bs draft rows at positions
+p + 1 … p + Bs through the stages; each row attends to the ring and to every draft row (no causal mask).
+The last stage's norm and the backbone's tied head give logits, a rank-Rm Markov head adds a bias from
+the previous draft token, and a confidence head scores each row.
+
+The reference writes one main row per call; here `observe` writes any number of rows (every accepted
+position of a speculative step), and `draft` proposes from the last observed position
+(GENERATION-AND-DSPARK.md §3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import hyper
+from .attention import REFERENCE_BLOCK, Attention, sparse_attention
+from .cache import ModelCache
+from .config import ModelConfig
+from .block import Block
+from .layers import Embedding, Head, Linear, RMSNorm, dense_storage
+from .roles import LayerRole
+
+
+@dataclass
+class DraftStep:
+    """Metadata of one draft call: the drafts sit at positions last_pos + 1 … last_pos + Bs."""
+
+    last_pos: int
+    length: int
+
+
+class DSparkAttention(Attention):
+    """Window attention whose ring is filled from the backbone's main rows, queried by the draft rows."""
+
+    def write_main(self, main_x: torch.Tensor, start_pos: int, cache: ModelCache) -> None:
+        """main_x [B, T, D] (positions start_pos …) → fp8-QDQ KV into ring slots p mod W."""
+        positions = torch.arange(start_pos, start_pos + main_x.shape[1], device=main_x.device)
+        kv = self._fp8_qdq(self.rotary.rotate(self.kv_norm(self.wkv(main_x)), positions))
+        self._write_ring(cache.window[self.role.layer_id], kv, start_pos)
+
+    def forward(self, x: torch.Tensor, step: DraftStep, cache: ModelCache) -> torch.Tensor:
+        """Draft rows x [B, Bs, D] (after attn_norm) → [B, Bs, D]."""
+        B, Bs, _ = x.shape
+        positions = torch.arange(step.last_pos + 1, step.last_pos + 1 + Bs, device=x.device)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.rotary.rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), positions)
+        kv = self._fp8_qdq(self.rotary.rotate(self.kv_norm(self.wkv(x)), positions))
+        pool = torch.cat([cache.window[self.role.layer_id], kv], dim=1)                  # [B, W + Bs, Dh]
+        # the ring's filled slots (in slot order, as the reference lists them), then every draft row
+        filled = torch.arange(min(self.window, step.last_pos + 1), device=x.device)
+        rows = torch.cat([filled, self.window + torch.arange(Bs, device=x.device)]).expand(B, Bs, -1)
+        o = sparse_attention(q, pool, rows, self.attn_sink, self.softmax_scale,
+                             block=REFERENCE_BLOCK if self.numerics == "reference" else None)
+        o = self.rotary.rotate(o, positions, inverse=True)
+        return self.wo_b(self._grouped_output(o))
+
+
+class MarkovHead(nn.Module):
+    """`embed [V, Rm]` and `head [V, Rm]`: bias_i = head · embed[id_i] (fp32, §15 step 4)."""
+
+    def __init__(self, vocab_size: int, rank: int, *, device=None):
+        super().__init__()
+        self.embed = Embedding(vocab_size, rank, device=device)
+        self.head = Head(vocab_size, rank, device=device)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        embedded = self.embed(ids)                                                       # [B, Rm]
+        return self.head(embedded), embedded
+
+
+class ConfidenceHead(nn.Module):
+    """c_i = proj([z_i; e_i]) in fp32 — a raw logit (§15 step 5)."""
+
+    def __init__(self, width: int, *, numerics: str, device=None):
+        super().__init__()
+        self.proj = Linear(width, 1, "fp32", numerics=numerics, device=device, stored_as="bf16")
+
+    def forward(self, z: torch.Tensor, markov: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.cat([z, markov], dim=-1).float()).squeeze(-1)
+
+
+class DSparkStage(Block):
+    """One stage: a block with DSpark attention and the DSpark MoE; stage 0 projects the backbone's
+    target streams, the last stage owns the draft head (§15). The embedding and head are the
+    backbone's (tied; passed in, not stored)."""
+
+    attention_cls = DSparkAttention
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: str, device=None, dtype=torch.bfloat16):
+        super().__init__(cfg, role, numerics=numerics, device=device, dtype=dtype)
+        index = role.layer_id - cfg.n_layers
+        if index == 0:
+            width = cfg.dim * len(cfg.dspark_target_layer_ids)
+            self.main_proj = Linear(width, cfg.dim, dense_storage(cfg), numerics=numerics, device=device, dtype=dtype)
+            self.main_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        if index == cfg.n_mtp_layers - 1:
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, device=device)
+            self.confidence_head = ConfidenceHead(cfg.dim + cfg.dspark_markov_rank, numerics=numerics, device=device)
+
+
+@dataclass
+class Draft:
+    ids: torch.Tensor
+    """[B, Bs + 1]: the token given, then Bs drafts (for positions p + 2 … p + Bs + 1)."""
+    logits: torch.Tensor
+    """[B, Bs, V] fp32 draft logits, Markov bias included (row i proposes ids[:, i + 1])."""
+    confidence: torch.Tensor
+    """[B, Bs] fp32 raw confidence logits."""
+
+
+def observe(stages: nn.ModuleList, dspark_hidden: torch.Tensor, start_pos: int, cache: ModelCache) -> None:
+    """Write the main rows of positions start_pos … start_pos + T − 1 into every stage's ring."""
+    first = stages[0]
+    main_x = first.main_norm(first.main_proj(dspark_hidden))                            # [B, T, D]
+    for stage in stages:
+        stage.attn.write_main(main_x, start_pos, cache)
+
+
+def draft(stages: nn.ModuleList, embed: Embedding, head: Head, cfg: ModelConfig, token: torch.Tensor,
+          last_pos: int, cache: ModelCache,
+          choose: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Draft:
+    """Propose Bs tokens after `token` [B] (the token for position last_pos + 1), given the rings."""
+    B, Bs = token.shape[0], cfg.dspark_block_size
+    ids = token.new_full((B, Bs), cfg.dspark_noise_token_id)
+    ids[:, 0] = token
+    x = embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)                           # [B, Bs, S, D]
+    pre = hyper.identity_pre(B, Bs, cfg.hc_mult, device=token.device)
+    step = DraftStep(last_pos=last_pos, length=Bs)
+    for stage in stages:
+        x, pre = stage(x, pre, step, cache, None)                                       # drafts are text
+    last = stages[-1]
+    z = hyper.collapse(x, pre)                                                          # [B, Bs, D]
+    logits = head(last.norm(z))                                                         # [B, Bs, V]
+    return _markov_chain(last, z, logits, token, choose or (lambda row: row.argmax(-1)))
+
+
+def _markov_chain(last: nn.Module, z: torch.Tensor, logits: torch.Tensor, token: torch.Tensor,
+                  choose: Callable[[torch.Tensor], torch.Tensor]) -> Draft:
+    """Row by row: add the Markov bias of the previous token, choose the next draft (§15 step 4)."""
+    Bs = logits.shape[1]
+    out = token.new_empty(token.shape[0], Bs + 1)
+    out[:, 0] = token
+    embedded = []
+    for i in range(Bs):
+        bias, e = last.markov_head(out[:, i])
+        logits[:, i] += bias
+        embedded.append(e)
+        out[:, i + 1] = choose(logits[:, i])
+    confidence = last.confidence_head(z, torch.stack(embedded, dim=1))
+    return Draft(ids=out, logits=logits, confidence=confidence)
