@@ -2,7 +2,7 @@
 
 It covers every layer role of the release (window layers, ratio-2 and ratio-1 kv sources and their
 consumers, index sources, the candidate source and a candidate user, two Engram layers, 4 streams, MoE
-with fp4 experts and fp8 dense weights) and a byte-level BPE tokenizer trained with `tokenizers` on a
+with fp4 experts and fp8 dense weights, two DSpark stages) and a byte-level BPE tokenizer trained with `tokenizers` on a
 built-in text, with the release's special tokens (BOS 0, EOS 1, pad 2). It is created deterministically
 on first use, written through the real writer in the released layout into a user cache directory, and
 then loaded through the real loader, so the demo takes exactly the path a released checkpoint takes.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .chat import encoding
 
-DEMO_NAME = "demo-v1"
+DEMO_NAME = "demo-v2"
 DEMO_SEED = 20261129
 DEMO_VOCAB = 1024
 # Prompt-format special tokens (TOKENIZER-AND-CHAT.md §1.1); BOS, EOS and pad take ids 0, 1, 2 as released.
@@ -56,20 +56,24 @@ def demo_config_dict(vocab_size: int, compressed_vocab_size: int) -> dict:
     from .engram.hashing import _search_primes
 
     base = dict(
-        vocab_size=vocab_size, dim=128, moe_inter_dim=64, n_layers=8, n_mtp_layers=0, n_heads=4,
+        vocab_size=vocab_size, dim=128, moe_inter_dim=64, n_layers=8, n_mtp_layers=2, n_heads=4,
         n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, score_func="sqrtsoftplus",
         route_scale=1.5, swiglu_limit=10.0, q_lora_rank=64, head_dim=64, rope_head_dim=16, norm_eps=1e-20,
         o_groups=2, o_lora_rank=32, window_size=16,
-        compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1], kv_source_layers=[2, 4], index_source_layers=[2, 4, 6],
+        compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1, 0, 0], kv_source_layers=[2, 4], index_source_layers=[2, 4, 6],
         original_seq_len=256, rope_theta=10000, rope_factor=16, beta_fast=32, beta_slow=1,
         index_n_heads=4, index_head_dim=32, index_topk=16, candidate_source_layer=4, candidate_topk_blocks=4,
         candidate_block_size=4, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
         engram_layer_ids=[1, 3], engram_vocab_size=2000, engram_max_ngram_size=4, engram_pad_id=2,
         engram_compressed_vocab_size=compressed_vocab_size, engram_n_heads=2, engram_head_dim=32,
         dtype="fp8", expert_dtype="fp4", compress_rope_theta=160000,
-        # no DSpark stages and no vision in the demo
-        dspark_block_size=0, dspark_noise_token_id=0, dspark_target_layer_ids=[], dspark_markov_rank=0,
-        dspark_n_routed_experts=0, dspark_n_activated_experts=0, vision_n_layers=0, vision_dim=0,
+        # two DSpark stages drafting 5 rows from the streams entering layers 5–7; the noise token is
+        # <｜System｜>, as in the release
+        dspark_block_size=5, dspark_noise_token_id=SPECIAL_TOKENS.index(encoding.SYSTEM),
+        dspark_target_layer_ids=[5, 6, 7], dspark_markov_rank=32, dspark_n_routed_experts=4,
+        dspark_n_activated_experts=2,
+        # no vision in the demo
+        vision_n_layers=0, vision_dim=0,
         vision_n_heads=0, vision_inter_dim=0, vision_patch_size=0, vision_downsample_ratio=0,
         vision_max_n_token=0, vision_min_pixels=0, vision_max_wh_ratio=None, vision_rope_theta=10000,
         image_token_id=None,

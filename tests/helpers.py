@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.config import RELEASED_CONFIG, ModelConfig, RuntimeConfig  # noqa: F401 (tests import it from here)
+from dsv41.config import RELEASED_CONFIG, ModelConfig, RuntimeConfig  # noqa: F401 (re-exported to tests)
 from dsv41.init import init_random_
 from dsv41.model import Transformer
 

@@ -23,6 +23,7 @@ import dsv41
 from dsv41 import cli
 from dsv41.chat import encode_messages
 from dsv41.config import RELEASED_CONFIG, RuntimeConfig
+from dsv41.demo import DEMO_NAME
 from dsv41.generate import GenerationConfig, generate_all
 from dsv41.sampling import SamplingParams
 from dsv41.score import score
@@ -185,7 +186,7 @@ def test_prompt_too_long_is_one_clean_line(in_process_env, capsys):
 
 def test_bad_config_is_one_clean_line(in_process_env, tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10}))
-    (tmp_path / "tokenizer.json").write_text((Path(os.environ["DSV41_CACHE"]) / "demo-v1" / "tokenizer.json")
+    (tmp_path / "tokenizer.json").write_text((Path(os.environ["DSV41_CACHE"]) / DEMO_NAME / "tokenizer.json")
                                              .read_text(encoding="utf-8"), encoding="utf-8")
     assert cli.main(["generate", "hi", "--checkpoint", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
