@@ -15,7 +15,7 @@ Position p lives in ring slot p mod W; compressed row j stands for positions j·
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +35,16 @@ class SourceState:
     index_keys: torch.Tensor
     tail_kv: torch.Tensor | None
     tail_score: torch.Tensor | None
+    recent: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    """(first position, kv, score) of the positions the last call pooled or carried, for `restore_tail`."""
+
+    def restore_tail(self, end: int) -> None:
+        """Make the tail hold the open group at `end` (positions ⌊end/r⌋·r … end − 1), which the last
+        call saw: it started at or after that group's first position."""
+        group = end // self.tail_kv.shape[1] * self.tail_kv.shape[1]
+        first, kv, score = self.recent
+        self.tail_kv[:, :end - group] = kv[:, group - first:end - first]
+        self.tail_score[:, :end - group] = score[:, group - first:end - first]
 
 
 @dataclass
@@ -50,7 +60,8 @@ class ModelCache:
     """Positions 0 … length − 1 have been written; the next call starts at `length` or restarts at 0."""
     published_keys: int | None = None
     """The kv source whose index keys were published last (only read in stale-key mode, trap 15)."""
-    extras: dict = field(default_factory=dict)
+    backbone_layers: tuple[int, ...] = ()
+    """Layers whose rings a forward writes (the DSpark stages' rings are written by `dspark_observe`)."""
 
     def check_call(self, start_pos: int, length: int, batch: int) -> None:
         if batch != self.batch_size:
@@ -69,6 +80,44 @@ class ModelCache:
     def reset(self) -> None:
         self.length = 0
         self.published_keys = None
+
+    def snapshot(self, start_pos: int, length: int) -> "Snapshot":
+        """Save what a call at start_pos … start_pos + length − 1 will overwrite, so that `rollback` can
+        drop a suffix of it (rejected speculative drafts, GENERATION-AND-DSPARK.md §3)."""
+        W = next(iter(self.window.values())).shape[1]
+        if length > W:
+            raise CacheError(f"a call of {length} positions cannot be rolled back with a window of {W}")
+        slots = torch.arange(start_pos, start_pos + length) % W
+        rings = {layer: self.window[layer][:, slots].clone() for layer in self.backbone_layers}
+        return Snapshot(start_pos, length, slots, rings, self.published_keys)
+
+    def rollback(self, snap: "Snapshot", keep: int) -> None:
+        """Keep the first `keep` positions of the snapshotted call; restore the state of the rest."""
+        if not 0 <= keep <= snap.call_length or self.length != snap.start_pos + snap.call_length:
+            raise CacheError(f"cannot keep {keep} of the {snap.call_length} positions from {snap.start_pos}: "
+                             f"the cache holds 0 … {self.length - 1}")
+        undo = snap.slots[keep:]
+        for layer, saved in snap.rings.items():
+            self.window[layer][:, undo] = saved[:, keep:]
+        end = snap.start_pos + keep
+        for source in self.sources.values():
+            if source.tail_kv is not None:
+                source.restore_tail(end)
+        self.length = end
+        if keep < snap.call_length:
+            self.published_keys = snap.published_keys
+
+
+@dataclass
+class Snapshot:
+    """What a call will overwrite: the ring slots of its positions (backbone layers) and the stale-key
+    owner; pooling tails are rebuilt from the compressor's record of the call."""
+
+    start_pos: int
+    call_length: int
+    slots: torch.Tensor
+    rings: dict[int, torch.Tensor]
+    published_keys: int | None
 
 
 def create_cache(cfg: ModelConfig, roles: tuple[LayerRole, ...], batch_size: int, max_seq_len: int, *,
@@ -91,4 +140,5 @@ def create_cache(cfg: ModelConfig, roles: tuple[LayerRole, ...], batch_size: int
             tail_kv=tail, tail_score=None if tail is None else torch.full_like(tail, float("-inf")),
         )
     return ModelCache(batch_size=batch_size, max_seq_len=max_seq_len, window=window, sources=sources,
-                      engram_history=engram_history)
+                      engram_history=engram_history,
+                      backbone_layers=tuple(r.layer_id for r in roles if not r.is_dspark))

@@ -45,6 +45,7 @@ class Compressor(nn.Module):
         if lead:
             kv = torch.cat([state.tail_kv[:, :lead], kv], dim=1)
             score = torch.cat([state.tail_score[:, :lead], score], dim=1)
+        state.recent = (start_pos - lead, kv, score)               # lets a rollback rebuild the tail
         n = kv.shape[1] // r
         rest = kv.shape[1] - n * r
         if rest:
