@@ -24,6 +24,7 @@ from .generate import GenerationConfig, check_prompts, generate_all
 from .repl import ChatSession, echo_to, input_lines, parse_effort, run_chat
 from .sampling import SamplingParams
 from .score import check_sequences, score
+from .speculative import speculative_generate
 from .tokenizer import Tokenizer
 
 EXIT_USAGE = 2
@@ -92,6 +93,9 @@ def _generate_parser(sub) -> None:
     p.set_defaults(raw=False)
     p.add_argument("--stop", action="append", default=[], metavar="S", help="stop string (repeatable)")
     p.add_argument("--stop-id", action="append", default=[], type=int, metavar="ID", help="stop token id (repeatable)")
+    p.add_argument("--speculative", action="store_true",
+                   help="draft with the DSpark stages and verify (lossless; one prompt; no streaming or stop "
+                        "strings); prints the acceptance figures")
     _add_chat_options(p)
     _add_model_options(p)
     _add_sampling_options(p)
@@ -254,6 +258,20 @@ def encode_case(tokenizer, case, args) -> list[int]:
     return tokenizer.encode_prompt(text)
 
 
+def _speculative(model, tokenizer, prompts, config) -> int:
+    if len(prompts) != 1:
+        raise CliError("--speculative takes one prompt")
+    result = speculative_generate(model, prompts[0], config.max_new_tokens, params=config.sampling,
+                                  seed=config.seed, eos_id=tokenizer.eos_id, max_seq_len=config.max_context)
+    print(tokenizer.decode(result.token_ids), flush=True)
+    st = result.stats
+    rate = len(result.token_ids) / result.seconds if result.seconds > 0 else 0.0
+    print(f"generated {len(result.token_ids)} tokens in {result.seconds:.2f} s ({rate:.1f} tok/s); "
+          f"{st.cycles} verify passes, mean accepted length {st.mean_accepted_length:.2f}, accepted per draft "
+          f"position {st.per_position}", file=sys.stderr, flush=True)
+    return 0
+
+
 def cmd_generate(args) -> int:
     cases = prompt_cases(args)
     path = checkpoint_dir(args)
@@ -262,6 +280,8 @@ def cmd_generate(args) -> int:
     config = generation_config(args, args.stop, args.stop_id)
     check_prompts(prompts, args.max_context, tokenizer.vocab_size)     # before the (slow) load
     model = load_model(path, args, len(prompts))
+    if args.speculative:
+        return _speculative(model, tokenizer, prompts, config)
     single = len(prompts) == 1
     completions = generate_all(model, tokenizer, prompts, config, echo_to(sys.stdout) if single else None)
     if single:

@@ -212,3 +212,11 @@ def test_chat_session_commands_and_history(demo_dir, capsys):
     assert len(session.history) == 2 and "/clear starts over" in capsys.readouterr().err
     run_chat(model, tok, session, config, iter(["/clear", "/exit", "never read"]), out)
     assert session.history == []
+
+
+def test_generate_speculative_prints_acceptance(cli_env):
+    run = dsv41_cmd(cli_env, "generate", "--speculative", "--temperature", "0", "--max-new-tokens", "8", "Hi")
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"generated \d+ tokens in [\d.]+ s .*mean accepted length [\d.]+", run.stderr)
+    two = dsv41_cmd(cli_env, "generate", "--speculative", "a", "b")
+    assert two.returncode == 2 and "--speculative takes one prompt" in two.stderr
