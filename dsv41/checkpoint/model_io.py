@@ -152,7 +152,8 @@ def _load_one(model, tensors, name, sources, scales, ckpt, device, engram_on_dis
     target = tensors[name]
     if engram_on_disk and name.endswith(".engram.embed.weight"):
         table = model.get_submodule(name[: -len(".weight")])
-        table.attach(ckpt.tensor(sources[0]), ckpt.tensor(scales[0]), movable=False, read_only=True)
+        table.attach(ckpt.tensor(sources[0], random_access=True), ckpt.tensor(scales[0], random_access=True),
+                     movable=False, read_only=True)
         return
     stacked = _STACKED.match(name) is not None
     weight = _read(ckpt, sources, stacked)

@@ -188,6 +188,7 @@ class CheckpointDir:
         self._tensors = self._resolve(weight_map, headers)
         self.shard_metadata = {f: h.metadata for f, h in headers.items()}
         self._maps: dict[Path, torch.Tensor] = {}
+        self._mmaps: dict[Path, mmap.mmap] = {}
 
     def _single_file(self, path: Path) -> dict[str, str]:
         return {name: path.name for name in read_header(path).tensors}
@@ -236,7 +237,15 @@ class CheckpointDir:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": intended
                 self._maps[file] = torch.frombuffer(mapping, dtype=torch.uint8)
+            self._mmaps[file] = mapping
         return self._maps[file]
+
+    def _advise_random(self, stored: StoredTensor) -> None:
+        """No read-ahead around touched pages: sparse row lookups read only the rows they touch."""
+        mapping = self._mmaps[stored.file]
+        if hasattr(mapping, "madvise") and stored.end > stored.begin:
+            start = stored.begin - stored.begin % mmap.PAGESIZE
+            mapping.madvise(mmap.MADV_RANDOM, start, stored.end - start)
 
     def _full(self, stored: StoredTensor) -> torch.Tensor:
         spec = stored.spec
@@ -246,14 +255,17 @@ class CheckpointDir:
         return raw.view(torch_dtype(spec.dtype)).view(spec.shape)
 
     def tensor(self, name: str, *, slice_dim: int | None = None, start: int | None = None,
-               stop: int | None = None) -> torch.Tensor:
+               stop: int | None = None, random_access: bool = False) -> torch.Tensor:
         """The tensor, or rows/columns [start, stop) of `slice_dim`.
 
-        Whole tensors and dim-0 slices are views of the mapping (no bytes read until used); slices of
-        any other dim are copied, and only the slice is copied.
+        Whole tensors and dim-0 slices are views of the mapping (no bytes read until used; read-only:
+        writing into one faults); slices of any other dim are copied, and only the slice is copied.
+        `random_access` turns off the kernel's read-ahead for the tensor (sparse lookups).
         """
         stored = self._stored(name)
         full = self._full(stored)
+        if random_access:
+            self._advise_random(stored)
         if slice_dim is None:
             if start is not None or stop is not None:
                 raise ValueError(f"{name}: start/stop given without slice_dim")

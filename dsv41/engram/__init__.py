@@ -12,11 +12,11 @@ from .hashing import (
     is_prime,
 )
 from .module import Engram, stream_gate
-from .table import EngramTable, map_safetensors_tensor, read_safetensors_header
+from .table import EngramTable, map_safetensors_tensor
 from .token_map import build_token_map, key_normalizer, load_or_build_token_map
 
 __all__ = [
     "DEAD", "VERIFIED_MULTIPLIERS", "EngramHistory", "EngramLayout", "NgramHasher", "derive_multipliers",
     "hash_compressed", "is_prime", "Engram", "stream_gate", "EngramTable", "map_safetensors_tensor",
-    "read_safetensors_header", "build_token_map", "key_normalizer", "load_or_build_token_map",
+    "build_token_map", "key_normalizer", "load_or_build_token_map",
 ]

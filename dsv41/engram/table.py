@@ -11,58 +11,14 @@ model (host memory, a mapped file); `lookup` gathers where the table is and ship
 
 from __future__ import annotations
 
-import json
-import mmap
 import os
-import struct
-import warnings
 
-import numpy as np
 import torch
 from torch import nn
 
 from .. import formats
 
 SCALE_BLOCK = formats.ENGRAM_BLOCK  # one ue8m0 scale per 32 values of a row (ARCHITECTURE.md §6.2)
-SAFETENSORS_LEN_BYTES = 8  # a file starts with the header length as little-endian u64
-
-SAFETENSORS_DTYPES = {
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-    "BOOL": torch.bool,
-}
-
-
-# ---------------------------------------------------------------- read-only shared mapping ------
-
-
-def read_safetensors_header(path: str | os.PathLike) -> tuple[dict, int]:
-    """(header dict, byte offset of the data section)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(SAFETENSORS_LEN_BYTES))
-        header = json.loads(f.read(n))
-    return header, SAFETENSORS_LEN_BYTES + n
-
-
-def _entry_span(path, header: dict, data_start: int, name: str) -> tuple[torch.dtype, list[int], int, int]:
-    entry = header.get(name)
-    if entry is None or name == "__metadata__":
-        raise KeyError(f"{path}: no tensor named {name!r}")
-    dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
-    if dtype is None:
-        raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
-    shape = list(entry["shape"])
-    begin, end = entry["data_offsets"]
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if end - begin != expected:
-        raise ValueError(f"{path}: tensor {name!r} spans {end - begin} bytes; shape {shape} of {entry['dtype']} "
-                         f"needs {expected}")
-    size = os.path.getsize(path)
-    if data_start + end > size:
-        raise ValueError(f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes "
-                         "(truncated download?)")
-    return dtype, shape, data_start + begin, expected
 
 
 def map_safetensors_tensor(path: str | os.PathLike, name: str, *, random_access: bool = False) -> torch.Tensor:
@@ -70,21 +26,9 @@ def map_safetensors_tensor(path: str | os.PathLike, name: str, *, random_access:
 
     Writing to the result faults: it is mapped PROT_READ. `random_access` tells the kernel not to
     read ahead around each touched page (sparse row lookups)."""
-    header, data_start = read_safetensors_header(path)
-    dtype, shape, offset, nbytes = _entry_span(path, header, data_start, name)
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    page_start = offset - offset % mmap.ALLOCATIONGRANULARITY  # mmap offsets must be page-aligned
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), offset - page_start + nbytes, access=mmap.ACCESS_READ, offset=page_start)
-    if random_access and hasattr(mapped, "madvise"):
-        mapped.madvise(mmap.MADV_RANDOM)
-    raw = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=offset - page_start)
-    with warnings.catch_warnings():
-        # torch warns that the array is not writable; read-only is the point of this mapping.
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        flat = torch.from_numpy(raw)  # keeps `raw`, hence the mapping, alive
-    return flat.view(dtype).view(shape)
+    from ..checkpoint.safetensors_io import CheckpointDir
+
+    return CheckpointDir(path).tensor(name, random_access=random_access)
 
 
 # ---------------------------------------------------------------- the table ---------------------
