@@ -73,10 +73,16 @@ class SpeculativeResult:
 def speculative_generate(model, prompt: list[int], max_new_tokens: int, *, params: SamplingParams | None = None,
                          seed: int = 0, eos_id: int | None = None, max_seq_len: int | None = None,
                          prefill_chunk: int = 512) -> SpeculativeResult:
-    """Generate up to `max_new_tokens` after `prompt` (token ids), drafting with DSpark."""
+    """Generate up to `max_new_tokens` after `prompt` (token ids), drafting with DSpark.
+
+    Stops at EOS, at `max_new_tokens`, or when a verify pass would no longer fit the context.
+    """
     if not model.cfg.dspark_enabled:
         raise RuntimeError("speculative decoding needs DSpark stages (n_mtp_layers / dspark_block_size are 0)")
     params = params or SamplingParams(temperature=0.0)
+    if params.repetition_penalty != 1.0:
+        # each verified row would need its own history (prompt + drafts before it); not supported
+        raise ValueError("speculative decoding does not support a repetition penalty")
     k = model.cfg.dspark_block_size
     context = max_seq_len or model.runtime.max_seq_len
     if len(prompt) + 1 > context:

@@ -105,3 +105,10 @@ def test_rollback_restores_ring_and_tail(model):
         cache.rollback(snap, keep)
         got = model(ids[:, 17 + keep:30], 17 + keep, cache).hidden[:, 3 - keep:]
         torch.testing.assert_close(got, expect, rtol=0, atol=1e-4)
+
+
+def test_repetition_penalty_is_refused(model):
+    from dsv41.sampling import SamplingParams
+
+    with pytest.raises(ValueError, match="repetition penalty"):
+        speculative_generate(model, [1, 2, 3], 4, params=SamplingParams(repetition_penalty=1.2))
