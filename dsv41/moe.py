@@ -166,10 +166,14 @@ class RoutedExperts(nn.Module):
         faster than torch's CPU grouped kernel and dequantises only those experts.
         """
         dt, out_dtype = self._mm_dtype(a), torch.bfloat16 if self.w1.scale is not None else a.dtype
-        kernel = self.grouped_kernel if self.grouped_kernel is not None else a.device.type != "cpu"
+        # Quantised operands (fp8 activations, fp4/fp8 weights times powers of two) are exact in bf16, so
+        # the kernel takes bf16 inputs with fp32 accumulation and gives the fp32 GEMM's result.
+        kernel_dt = torch.bfloat16 if self.w1.scale is not None else a.dtype
+        kernel = self.grouped_kernel if self.grouped_kernel is not None else (
+            a.device.type != "cpu" and kernel_dt == torch.bfloat16)        # accelerator kernels are bf16
         if kernel:
-            weights = bank.dequantized(None, dt).transpose(1, 2)
-            return torch._grouped_mm(a.to(dt), weights, offs=ends.to(torch.int32)).to(out_dtype)
+            weights = bank.dequantized(None, kernel_dt).transpose(1, 2)
+            return torch._grouped_mm(a.to(kernel_dt), weights, offs=ends.to(torch.int32)).to(out_dtype)
         out = a.new_empty(a.shape[0], bank.out_features, dtype=out_dtype)
         start = 0
         for e, end in enumerate(ends.tolist()):

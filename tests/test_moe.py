@@ -207,3 +207,12 @@ def test_grouped_gemm_kernel_path_against_loop():
     moe.experts.grouped_kernel = True
     x = torch.randn(1, 16, D, generator=torch.Generator().manual_seed(7))
     torch.testing.assert_close(moe(x), moe_oracle(moe, x, None, quantised=False), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_gemm_kernel_path_reference_numerics_is_exact():
+    """Quantised operands are exact in bf16, so the bf16 grouped kernel equals the fp32 expert loop."""
+    moe, _ = make_moe("reference")
+    x = torch.randn(1, 16, D, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    loop = moe(x)
+    moe.experts.grouped_kernel = True
+    assert torch.equal(moe(x), loop)
