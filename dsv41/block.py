@@ -12,6 +12,7 @@ from . import hyper
 from .attention import Attention, ForwardState
 from .cache import ModelCache
 from .config import ModelConfig
+from .engram import Engram
 from .layers import RMSNorm, dense_storage
 from .moe import MoE
 from .roles import LayerRole
@@ -42,7 +43,6 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{sub}_scale", _fp32_param((3,), device))
         self.engram = None
         if role.has_engram:
-            from .engram import Engram
             self.engram = Engram(cfg, role.engram_index, numerics=numerics, device=device)
 
     def _mixes(self, x: torch.Tensor, sub: str):

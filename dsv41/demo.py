@@ -53,7 +53,7 @@ User: what is the capital of France? Assistant: Paris is the capital of France.
 
 def demo_config_dict(vocab_size: int, compressed_vocab_size: int) -> dict:
     """The demo's config.json (inference/config.json keys), every layer role present."""
-    from .engram.hashing import _search_primes
+    from .engram.hashing import table_rows
 
     base = dict(
         vocab_size=vocab_size, dim=128, moe_inter_dim=64, n_layers=8, n_mtp_layers=2, n_heads=4,
@@ -78,9 +78,8 @@ def demo_config_dict(vocab_size: int, compressed_vocab_size: int) -> dict:
         vision_max_n_token=0, vision_min_pixels=0, vision_max_wh_ratio=None, vision_rope_theta=10000,
         image_token_id=None,
     )
-    primes = _search_primes(len(base["engram_layer_ids"]), base["engram_max_ngram_size"] - 1,
-                            base["engram_n_heads"], base["engram_vocab_size"])
-    base["engram_num_embeddings"] = [sum(p) for p in primes]
+    base["engram_num_embeddings"] = list(table_rows(len(base["engram_layer_ids"]), base["engram_max_ngram_size"],
+                                                    base["engram_n_heads"], base["engram_vocab_size"]))
     return base
 
 

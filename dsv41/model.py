@@ -21,6 +21,7 @@ from . import hyper
 from .attention import ForwardState
 from .block import Block
 from .dspark import Draft, DSparkStage, draft, observe
+from .engram import EngramHistory, EngramLayout, NgramHasher
 from .cache import ModelCache, create_cache
 from .config import ModelConfig, RuntimeConfig
 from .layers import Embedding, Head, RMSNorm
@@ -54,7 +55,6 @@ class Transformer(nn.Module):
         self.hasher = None
         self._engram_pool: ThreadPoolExecutor | None = None             # this model's own, made on first use
         if cfg.engram_layer_ids:
-            from .engram import EngramLayout
             self.engram_layout = EngramLayout.from_config(cfg)
             if token_map is not None:
                 self.set_token_map(token_map)
@@ -69,7 +69,6 @@ class Transformer(nn.Module):
 
     def set_token_map(self, token_map: torch.Tensor) -> None:
         """Attach the tokenizer's compressed token map that feeds the Engram hash (ENGRAM-HASHING §1)."""
-        from .engram import NgramHasher
         if token_map.shape != (self.cfg.vocab_size,):
             raise ValueError(f"the compressed token map covers {token_map.shape[0]} token ids; the model's "
                              f"vocab_size is {self.cfg.vocab_size}")
@@ -80,7 +79,6 @@ class Transformer(nn.Module):
         max_seq_len = max_seq_len or self.runtime.max_seq_len
         history = None
         if self.cfg.engram_layer_ids:
-            from .engram import EngramHistory
             history = EngramHistory.create(batch_size, max_seq_len, device=self.device)
         return create_cache(self.cfg, self.roles, batch_size, max_seq_len, device=self.device, dtype=self.dtype,
                             engram_history=history)

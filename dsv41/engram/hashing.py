@@ -119,6 +119,11 @@ class EngramLayout:
         return as_tensor(self.primes), as_tensor(self.offsets), as_tensor(self.multipliers)
 
 
+def table_rows(n_layers: int, max_ngram_size: int, heads: int, vocab_size: int) -> tuple[int, ...]:
+    """Rows of each Engram layer's table, the sum of its primes: what `engram_num_embeddings` holds."""
+    return tuple(sum(p) for p in _search_primes(n_layers, max_ngram_size - 1, heads, vocab_size))
+
+
 def _search_primes(n_layers: int, n_orders: int, heads: int, vocab_size: int) -> tuple[tuple[int, ...], ...]:
     # §2: one used-set shared by every layer and order; each order restarts at engram_vocab_size − 1.
     used: set[int] = set()
