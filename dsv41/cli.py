@@ -23,7 +23,7 @@ from .demo import ensure_demo_checkpoint
 from .generate import GenerationConfig, check_prompts, generate_all
 from .repl import ChatSession, echo_to, input_lines, parse_effort, run_chat
 from .sampling import SamplingParams
-from .score import check_sequences, score
+from .score import score
 from .speculative import speculative_generate
 from .tokenizer import Tokenizer
 
@@ -374,7 +374,7 @@ def cmd_score(args) -> int:
     path = checkpoint_dir(args)
     tokenizer = Tokenizer.from_dir(path)
     sequences = score_sequences(args, tokenizer)
-    check_sequences(sequences, args.max_context)                     # before the (slow) load
+    check_prompts(sequences, args.max_context, tokenizer.vocab_size, what="sequence")   # before the load
     model = load_model(path, args, len(sequences))
     result = score(model, sequences, args.prefill, max_context=args.max_context)
     print_scores(result, sequences, tokenizer)

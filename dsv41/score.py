@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .generate import check_prompts
+
 # Any id the model accepts; causal attention keeps it from influencing real positions.
 PAD_FILL = 0
 
@@ -32,16 +34,6 @@ class ScoreResult:
     logits: torch.Tensor
     """fp32 [N, T, V]: entry t is the next-token logits after token t; 0 at padded positions."""
     lengths: list[int]
-
-
-def check_sequences(sequences: list[list[int]], context: int) -> None:
-    if not sequences:
-        raise ValueError("no sequences to score")
-    for i, seq in enumerate(sequences):
-        if len(seq) == 0:
-            raise ValueError(f"sequence {i} is empty")
-        if len(seq) > context:
-            raise ValueError(f"sequence {i} has {len(seq)} tokens, more than the context of {context} tokens")
 
 
 def pad_sequences(sequences: list[list[int]], device) -> torch.Tensor:
@@ -78,7 +70,7 @@ def _perplexity(logprobs: torch.Tensor) -> float:
 def score(model, sequences: list[list[int]], prefill: int | None = None, *,
           max_context: int | None = None) -> ScoreResult:
     """Score token sequences against the model (context: max_context or the model's max_seq_len)."""
-    check_sequences(sequences, max_context or model.runtime.max_seq_len)
+    check_prompts(sequences, max_context or model.runtime.max_seq_len, model.cfg.vocab_size, what="sequence")
     ids_NT = pad_sequences(sequences, model.device)
     if prefill is not None and not 1 <= prefill <= ids_NT.shape[1]:
         raise ValueError(f"prefill must be in 1 … {ids_NT.shape[1]} (the longest sequence), got {prefill}")

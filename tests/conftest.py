@@ -37,6 +37,13 @@ def released_cfg():
 
 
 @pytest.fixture(scope="session")
+def released_inv(released_cfg):
+    """The released checkpoint layout (CHECKPOINT.md §3), built once per session."""
+    from dsv41.checkpoint import released_inventory
+    return released_inventory(released_cfg)
+
+
+@pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory):
     """The built-in demo checkpoint, created once per test session in a private DSV41_CACHE."""
     from dsv41.demo import ensure_demo_checkpoint

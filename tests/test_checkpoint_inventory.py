@@ -4,19 +4,19 @@
 import pytest
 
 from dsv41.checkpoint import inventory_bytes, released_inventory
-from dsv41.config import RELEASED_CONFIG, ModelConfig
+from dsv41.config import RELEASED_CONFIG
 
 CONFIG = RELEASED_CONFIG
 
 
-@pytest.fixture(scope="module")
-def cfg():
-    return ModelConfig.from_json(CONFIG)
+@pytest.fixture
+def cfg(released_cfg):
+    return released_cfg
 
 
-@pytest.fixture(scope="module")
-def inv(cfg):
-    return released_inventory(cfg)
+@pytest.fixture
+def inv(released_inv):
+    return released_inv
 
 
 def _bytes(inv, predicate):

@@ -4,21 +4,21 @@
 import pytest
 
 from dsv41.checkpoint import (ENGRAM_ROWS, EXPERT, REPLICATE, SPLIT, ShardingError, allowed_world_sizes,
-                              check_world_size, engram_rows_per_rank, rank_slice, released_inventory,
+                              check_world_size, engram_rows_per_rank, rank_slice,
                               routed_expert_count, shard_rule)
-from dsv41.config import RELEASED_CONFIG, ModelConfig
+from dsv41.config import RELEASED_CONFIG
 
 CONFIG = RELEASED_CONFIG
 
 
-@pytest.fixture(scope="module")
-def cfg():
-    return ModelConfig.from_json(CONFIG)
+@pytest.fixture
+def cfg(released_cfg):
+    return released_cfg
 
 
-@pytest.fixture(scope="module")
-def inv(cfg):
-    return released_inventory(cfg)
+@pytest.fixture
+def inv(released_inv):
+    return released_inv
 
 
 @pytest.mark.parametrize("name, dim", [
