@@ -17,19 +17,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import formats
+import torch.nn.functional as F
+
 from .cache import ModelCache
 from .compressor import Compressor
 from .config import ModelConfig
 from .indexer import Indexer, candidate_blocks, select_topk, visible_counts
 from .layers import Linear, RMSNorm, dense_storage
+from .numerics import Numerics
 from .roles import LayerRole
 from .rope import Rotary
 
 # Largest negative logit the running max starts from (§11.7).
 SCORE_FLOOR = -1e30
-# Indices per block of the reference kernel's online softmax (kernel.py `block`, §11.7).
-REFERENCE_BLOCK = 64
 
 
 @dataclass
@@ -39,6 +39,9 @@ class ForwardState:
     start_pos: int
     length: int
     positions: torch.Tensor                      # [T] absolute positions
+    reference_layout: bool = False
+    """List the window as the reference does (a call from position 0 lists only its own rows); else
+    every call lists W entries per query, the one layout invariant kernels need (numerics.py)."""
     stale_index_keys: bool = False
     selections: dict[int, torch.Tensor] = field(default_factory=dict)   # index source → [B, T, k] rows or −1
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)   # candidate source → [B, T, C] mask
@@ -47,21 +50,24 @@ class ForwardState:
     def window_rows(self, window: int) -> torch.Tensor:
         """[T, W] window pool rows, the same for every layer of the call (computed once)."""
         if window not in self._window_rows:
-            self._window_rows[window] = window_indices(self.start_pos, self.length, window, self.positions.device)
+            self._window_rows[window] = window_indices(self.start_pos, self.length, window, self.positions.device,
+                                                       reference_layout=self.reference_layout)
         return self._window_rows[window]
 
 
-def window_indices(start_pos: int, length: int, window: int, device=None) -> torch.Tensor:
+def window_indices(start_pos: int, length: int, window: int, device=None, *,
+                   reference_layout: bool = False) -> torch.Tensor:
     """[T, n] pool rows each query sees in its window (−1 for none), pool = [ring (W) | call (T) | …].
 
     Query p sees positions max(0, p − W + 1) … p: those before the call from ring slot q mod W, the
-    rest from the call's own rows (generalises §11.2 to any start and length). The order of the list
-    is the reference's, because the blockwise softmax rounds per block of 64 entries (§11.7): a call
-    from position 0 lists min(T, W) entries, valid ones first; any other call lists W entries, oldest
-    first, −1 for positions before 0.
+    rest from the call's own rows (generalises §11.2 to any start and length). Each query lists W
+    entries, oldest first, −1 for positions before 0 — the layout of the reference's decode step. The
+    order matters because the blockwise softmax rounds per block of 64 entries (§11.7): with
+    `reference_layout` a call from position 0 lists min(T, W) entries, valid ones first, as the
+    reference's prefill does, which gives other bits than its decode for the same position.
     """
     p = torch.arange(start_pos, start_pos + length, device=device).unsqueeze(1)
-    if start_pos == 0:
+    if reference_layout and start_pos == 0:
         q = (p - window + 1).clamp(min=0) + torch.arange(min(length, window), device=device)
         return torch.where(q <= p, window + q, -1)
     q = p - window + 1 + torch.arange(window, device=device)                  # [T, W] positions
@@ -77,16 +83,21 @@ def _gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor,
-                     scale: float, *, block: int | None = REFERENCE_BLOCK) -> torch.Tensor:
+                     scale: float, numerics: Numerics) -> torch.Tensor:
     """Attention of q [B, T, H, Dh] over the listed rows [B, T, n] of pool [B, N, Dh] with a sink (§11.7).
 
     K = V (one latent); the sink sits in the denominator only, in scaled-logit units; rows of −1 are
-    ignored; a query with no row returns zeros. With `block` (reference numerics) the list is walked in
-    blocks with an online softmax whose probabilities are rounded to bf16 against the running maximum
-    before P·V, the denominator keeping fp32, as the reference kernel does; `block=None` is one exact
-    fp32 softmax over the whole list.
+    ignored; a query with no row returns zeros. With an attention block (reference numerics, invariant
+    kernels) the list is walked in blocks with an online softmax; reference numerics round the
+    probabilities to bf16 against the running maximum before P·V, the denominator keeping fp32, as the
+    reference kernel does. Invariant kernels pad the list with −1 to whole blocks: every block then has
+    one length, and a block of −1 changes nothing, so a query's result depends only on its own entries.
+    Without a block it is one exact fp32 softmax over the whole list.
     """
     B, T, H, _ = q.shape
+    block = numerics.attention_block
+    if block is not None and numerics.invariant:
+        rows = F.pad(rows, (0, -rows.shape[-1] % block), value=-1)
     qf, step = q.float(), block or rows.shape[-1]
     out = torch.zeros(qf.shape, device=q.device)
     denom = torch.zeros(B, T, H, 1, device=q.device)
@@ -94,22 +105,22 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, si
     for start in range(0, rows.shape[-1], step):
         part = rows[..., start:start + step]
         kv = _gather_rows(pool, part)                                              # [B, T, n, Dh]
-        z = torch.einsum("bthd,btnd->bthn", qf, kv)
+        z = numerics.einsum("bthd,btnd->bthn", qf, kv)
         z = z.masked_fill(~(part >= 0).unsqueeze(2), float("-inf")) * scale
         m_new = torch.maximum(m, z.amax(dim=-1, keepdim=True))
         rescale = torch.exp(m - m_new)
         p = torch.exp(z - m_new)
         denom = denom * rescale + p.sum(dim=-1, keepdim=True)
-        if block is not None:
+        if numerics.round_probabilities:
             p = p.to(torch.bfloat16).float()
-        out = out * rescale + torch.einsum("bthn,btnd->bthd", p, kv)
+        out = out * rescale + numerics.einsum("bthn,btnd->bthd", p, kv)
         m = m_new
     denom = denom + torch.exp(sink.float().view(1, 1, -1, 1) - m)
     return (out / denom).to(q.dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: str, device=None, dtype=torch.bfloat16):
+    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: Numerics, device=None, dtype=torch.bfloat16):
         super().__init__()
         self.role, self.numerics = role, numerics
         self.n_heads, self.head_dim, self.window = cfg.n_heads, cfg.head_dim, cfg.window_size
@@ -134,15 +145,6 @@ class Attention(nn.Module):
                                 cfg.norm_eps, owns_keys=role.is_kv_source, dense=dense, **kw)
                         if role.is_index_source else None)
 
-    # -------------------------------------------------------------------------------- numerics
-    def _fp8_qdq(self, x: torch.Tensor) -> torch.Tensor:
-        # QDQ point #2 (window KV, §6.4)
-        return formats.fp8_qdq(x, 32) if self.numerics == "reference" else x
-
-    def _fp4_qdq(self, x: torch.Tensor) -> torch.Tensor:
-        # QDQ point #3 (compressed KV: fp4 in blocks of 16 with e4m3 scales, §6.4)
-        return formats.fp4_qdq_e4m3(x, 16) if self.numerics == "reference" else x
-
     # -------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, step: ForwardState, cache: ModelCache) -> torch.Tensor:
         """x [B, T, D] (after attn_norm) → [B, T, D]."""
@@ -150,7 +152,7 @@ class Attention(nn.Module):
         pos = step.positions
         qr = self.q_norm(self.wq_a(x))                                              # [B, T, Qr]
         q = self.rotary.rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos)   # [B, T, H, Dh]
-        kv = self._fp8_qdq(self.rotary.rotate(self.kv_norm(self.wkv(x)), pos))      # [B, T, Dh]
+        kv = self.numerics.qdq_window(self.rotary.rotate(self.kv_norm(self.wkv(x)), pos))      # [B, T, Dh]
 
         ring = cache.window[self.role.layer_id]
         pool = torch.cat([ring, kv], dim=1)                                         # [B, W + T, Dh]
@@ -160,8 +162,7 @@ class Attention(nn.Module):
             pool = torch.cat([pool, compressed], dim=1)
             rows = torch.cat([rows, torch.where(selected >= 0, selected + self.window + T, -1)], dim=-1)
 
-        o = sparse_attention(q, pool, rows, self.attn_sink, self.softmax_scale,
-                             block=REFERENCE_BLOCK if self.numerics == "reference" else None)
+        o = sparse_attention(q, pool, rows, self.attn_sink, self.softmax_scale, self.numerics)
         self._write_ring(ring, kv, step.start_pos)
         o = self.rotary.rotate(o, pos, inverse=True)                                # trap 11
         return self.wo_b(self._grouped_output(o))
@@ -170,7 +171,7 @@ class Attention(nn.Module):
         """[B, T, H, Dh] → [B, T, G·Or]: group g (heads of g) through its own slice of wo_a (§11.8)."""
         groups = o.flatten(2).unflatten(-1, (self.o_groups, -1))                   # [B, T, G, H·Dh/G]
         wo_a = self.wo_a.dequantized_weight(groups.dtype).unflatten(0, (self.o_groups, self.o_lora_rank))
-        return torch.einsum("btgi,gri->btgr", groups, wo_a).flatten(2)
+        return self.numerics.einsum("btgi,gri->btgr", groups, wo_a).flatten(2)
 
     def _write_ring(self, ring: torch.Tensor, kv: torch.Tensor, start_pos: int) -> None:
         """After attending: the last min(T, W) positions of the call go to slots p mod W."""
@@ -206,7 +207,8 @@ class Attention(nn.Module):
         positions = (torch.arange(first, first + n, device=x.device) * self.role.ratio)   # trap 8
         source.index_keys[:, first:first + n] = self.indexer.keys(latent, positions, self.rotary).to(
             source.index_keys.dtype)
-        source.kv[:, first:first + n] = self._fp4_qdq(self.rotary.rotate(latent, positions)).to(source.kv.dtype)
+        rotated = self.rotary.rotate(latent, positions)
+        source.kv[:, first:first + n] = self.numerics.qdq_compressed(rotated).to(source.kv.dtype)
         return True
 
     def _select(self, x: torch.Tensor, qr: torch.Tensor, step: ForwardState, keys: torch.Tensor, C: int):

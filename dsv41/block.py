@@ -13,8 +13,9 @@ from .attention import Attention, ForwardState
 from .cache import ModelCache
 from .config import ModelConfig
 from .engram import Engram
-from .layers import RMSNorm, dense_storage
+from .layers import RMSNorm, dense_storage, expert_storage
 from .moe import MoE
+from .numerics import Numerics
 from .roles import LayerRole
 
 
@@ -23,16 +24,16 @@ class Block(nn.Module):
 
     attention_cls = Attention
 
-    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: str, device=None, dtype=torch.bfloat16):
+    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: Numerics, device=None, dtype=torch.bfloat16):
         super().__init__()
-        self.role = role
+        self.role, self.numerics = role, numerics
         self.hc_iters, self.norm_eps, self.hc_eps = cfg.hc_sinkhorn_iters, cfg.norm_eps, cfg.hc_eps
         kw = dict(numerics=numerics, device=device, dtype=dtype)
         self.attn = self.attention_cls(cfg, role, **kw)
         n_experts, n_active = ((cfg.dspark_n_routed_experts, cfg.dspark_n_activated_experts) if role.is_dspark
                                else (cfg.n_routed_experts, cfg.n_activated_experts))
         self.ffn = MoE(cfg.dim, cfg.moe_inter_dim, n_experts, n_active, cfg.route_scale, cfg.swiglu_limit,
-                       cfg.expert_dtype, vision=cfg.vision_enabled, gate_temp=cfg.gate_temp,
+                       expert_storage(cfg), vision=cfg.vision_enabled, gate_temp=cfg.gate_temp,
                        dense_storage=dense_storage(cfg), **kw)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
@@ -48,7 +49,7 @@ class Block(nn.Module):
     def _mixes(self, x: torch.Tensor, sub: str):
         return hyper.mixes(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
                            getattr(self, f"hc_{sub}_base"), iters=self.hc_iters, norm_eps=self.norm_eps,
-                           hc_eps=self.hc_eps)
+                           hc_eps=self.hc_eps, numerics=self.numerics)
 
     def forward(self, x: torch.Tensor, pre: torch.Tensor, step: ForwardState, cache: ModelCache,
                 image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,10 +16,11 @@ from torch import nn
 
 from .cache import SourceState
 from .layers import Linear, RMSNorm
+from .numerics import Numerics
 
 
 class Compressor(nn.Module):
-    def __init__(self, dim: int, head_dim: int, ratio: int, norm_eps: float, *, numerics: str, device=None,
+    def __init__(self, dim: int, head_dim: int, ratio: int, norm_eps: float, *, numerics: Numerics, device=None,
                  dtype=torch.bfloat16):
         super().__init__()
         self.ratio = ratio

@@ -75,7 +75,9 @@ class ModelConfig:
     engram_n_heads: int = 0
     engram_head_dim: int = 0
     dtype: str = "fp8"
-    expert_dtype: str = "fp4"
+    expert_dtype: str | None = "fp4"
+    """"fp4", or anything else ("fp8", "bf16", null): routed experts stored like `dtype`, as the
+    reference reads it (its experts take the fp4 dtype or the default one; `layers.expert_storage`)."""
     compress_rope_theta: float = 10000.0
     vision_n_layers: int = 0
     vision_dim: int = 0
@@ -199,6 +201,9 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
     elif ann == "int | None":
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise ConfigError(f"{name} must be an integer or null, got {value!r}")
+    elif ann == "str | None":
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{name} must be a string or null, got {value!r}")
     elif ann == "float | None" and value is not None:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ConfigError(f"{name} must be a number or null, got {value!r}")
@@ -234,7 +239,8 @@ def _validate(c: ModelConfig) -> None:
            f"n_activated_experts ({c.n_activated_experts}) must be <= n_routed_experts ({c.n_routed_experts})")
     _check(c.score_func == "sqrtsoftplus", f"score_func must be 'sqrtsoftplus', got {c.score_func!r}")
     _check(c.dtype in ("fp8", "bf16"), f"dtype must be 'fp8' or 'bf16', got {c.dtype!r}")
-    _check(c.expert_dtype in ("fp4", "fp8", "bf16"), f"expert_dtype must be 'fp4', 'fp8' or 'bf16', got {c.expert_dtype!r}")
+    _check(c.expert_dtype in ("fp4", "fp8", "bf16", None),
+           f"expert_dtype must be 'fp4', 'fp8', 'bf16' or null, got {c.expert_dtype!r}")
     if c.dtype == "fp8":
         # fp8 Linears quantise activations in blocks of 32 along the input (ARCHITECTURE.md §6.3).
         for name in ("dim", "q_lora_rank", "moe_inter_dim"):
@@ -314,6 +320,7 @@ def _validate_dspark(c: ModelConfig) -> None:
 
 
 NUMERICS_MODES = ("reference", "fast")
+KERNEL_CHOICES = ("invariant", "blas")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,6 +332,8 @@ class RuntimeConfig:
     device: str = "cpu"
     dtype: str = "bfloat16"
     numerics: str = "reference"
+    kernels: str | None = None
+    """"invariant" or "blas" (numerics.py); None: invariant for reference numerics, blas for fast."""
     stale_index_keys: bool = False
     """Reproduce the reference's stale index-key slot (ARCHITECTURE.md §17 trap 15); off by default."""
 
@@ -332,6 +341,8 @@ class RuntimeConfig:
         _check(self.max_batch_size > 0, f"max_batch_size must be positive, got {self.max_batch_size}")
         _check(self.max_seq_len > 0, f"max_seq_len must be positive, got {self.max_seq_len}")
         _check(self.numerics in NUMERICS_MODES, f"numerics must be one of {NUMERICS_MODES}, got {self.numerics!r}")
+        _check(self.kernels in (None,) + KERNEL_CHOICES,
+               f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         _check(self.dtype in ("bfloat16", "float32"), f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
         if self.numerics == "reference":
             _check(self.dtype == "bfloat16", "numerics='reference' runs in bfloat16; use numerics='fast' for float32")
@@ -340,3 +351,10 @@ class RuntimeConfig:
     def torch_dtype(self):
         import torch
         return getattr(torch, self.dtype)
+
+    @property
+    def numerics_policy(self):
+        """The `Numerics` object every module of a model built with this runtime shares."""
+        from .numerics import Numerics
+        default = Numerics.default(self.numerics)
+        return default if self.kernels is None else Numerics(self.numerics, self.kernels)

@@ -24,11 +24,12 @@ import torch
 from torch import nn
 
 from . import hyper
-from .attention import REFERENCE_BLOCK, Attention, sparse_attention
+from .attention import Attention, sparse_attention
 from .cache import ModelCache
 from .config import ModelConfig
 from .block import Block
 from .layers import Embedding, Head, Linear, RMSNorm, dense_storage
+from .numerics import Numerics
 from .roles import LayerRole
 
 
@@ -46,7 +47,7 @@ class DSparkAttention(Attention):
     def write_main(self, main_x: torch.Tensor, start_pos: int, cache: ModelCache) -> None:
         """main_x [B, T, D] (positions start_pos …) → fp8-QDQ KV into ring slots p mod W."""
         positions = torch.arange(start_pos, start_pos + main_x.shape[1], device=main_x.device)
-        kv = self._fp8_qdq(self.rotary.rotate(self.kv_norm(self.wkv(main_x)), positions))
+        kv = self.numerics.qdq_window(self.rotary.rotate(self.kv_norm(self.wkv(main_x)), positions))
         self._write_ring(cache.window[self.role.layer_id], kv, start_pos)
 
     def forward(self, x: torch.Tensor, step: DraftStep, cache: ModelCache) -> torch.Tensor:
@@ -55,13 +56,12 @@ class DSparkAttention(Attention):
         positions = torch.arange(step.last_pos + 1, step.last_pos + 1 + Bs, device=x.device)
         qr = self.q_norm(self.wq_a(x))
         q = self.rotary.rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), positions)
-        kv = self._fp8_qdq(self.rotary.rotate(self.kv_norm(self.wkv(x)), positions))
+        kv = self.numerics.qdq_window(self.rotary.rotate(self.kv_norm(self.wkv(x)), positions))
         pool = torch.cat([cache.window[self.role.layer_id], kv], dim=1)                  # [B, W + Bs, Dh]
         # the ring's filled slots (in slot order, as the reference lists them), then every draft row
         filled = torch.arange(min(self.window, step.last_pos + 1), device=x.device)
         rows = torch.cat([filled, self.window + torch.arange(Bs, device=x.device)]).expand(B, Bs, -1)
-        o = sparse_attention(q, pool, rows, self.attn_sink, self.softmax_scale,
-                             block=REFERENCE_BLOCK if self.numerics == "reference" else None)
+        o = sparse_attention(q, pool, rows, self.attn_sink, self.softmax_scale, self.numerics)
         o = self.rotary.rotate(o, positions, inverse=True)
         return self.wo_b(self._grouped_output(o))
 
@@ -69,10 +69,10 @@ class DSparkAttention(Attention):
 class MarkovHead(nn.Module):
     """`embed [V, Rm]` and `head [V, Rm]`: bias_i = head · embed[id_i] (fp32, §15 step 4)."""
 
-    def __init__(self, vocab_size: int, rank: int, *, device=None):
+    def __init__(self, vocab_size: int, rank: int, *, numerics: Numerics, device=None):
         super().__init__()
         self.embed = Embedding(vocab_size, rank, device=device)
-        self.head = Head(vocab_size, rank, device=device)
+        self.head = Head(vocab_size, rank, numerics=numerics, device=device)
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         embedded = self.embed(ids)                                                       # [B, Rm]
@@ -82,7 +82,7 @@ class MarkovHead(nn.Module):
 class ConfidenceHead(nn.Module):
     """c_i = proj([z_i; e_i]) in fp32 — a raw logit (§15 step 5)."""
 
-    def __init__(self, width: int, *, numerics: str, device=None):
+    def __init__(self, width: int, *, numerics: Numerics, device=None):
         super().__init__()
         self.proj = Linear(width, 1, "fp32", numerics=numerics, device=device, stored_as="bf16")
 
@@ -97,7 +97,7 @@ class DSparkStage(Block):
 
     attention_cls = DSparkAttention
 
-    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: str, device=None, dtype=torch.bfloat16):
+    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: Numerics, device=None, dtype=torch.bfloat16):
         super().__init__(cfg, role, numerics=numerics, device=device, dtype=dtype)
         index = role.layer_id - cfg.n_layers
         if index == 0:
@@ -106,7 +106,8 @@ class DSparkStage(Block):
             self.main_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         if index == cfg.n_mtp_layers - 1:
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
-            self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, device=device)
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, numerics=numerics,
+                                          device=device)
             self.confidence_head = ConfidenceHead(cfg.dim + cfg.dspark_markov_rank, numerics=numerics, device=device)
 
 

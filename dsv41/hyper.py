@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .numerics import Numerics
+
 
 def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """c [..., S, S] logits → near doubly stochastic; row softmax first, ends on a column step (§7.4)."""
@@ -54,11 +56,11 @@ def identity_pre(batch: int, length: int, streams: int, device=None) -> torch.Te
 
 
 def mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, iters: int,
-          norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          norm_eps: float, hc_eps: float, numerics: Numerics) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hc_mixes: x [B, T, S, D] → (pre, post, comb) with fn [M, S·D], scale [3], base [M] (§7).
 
     One RMS statistic over all S·D features, no norm weight (§7.2).
     """
     flat = x.flatten(2).float()
-    m = (flat @ fn.t()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    m = numerics.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     return split_mixes(m, scale, base, x.shape[2], iters, hc_eps)

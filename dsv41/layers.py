@@ -3,11 +3,13 @@
 Shapes: B batch, T positions, D dim, V vocab; `...` is any leading shape.
 
 A `Linear` is built from the storage the checkpoint uses ("fp8", "fp4", "bf16", "fp32") and the
-numerics mode of the run:
-- `reference` keeps fp8 / fp4 weights quantised (weight + ue8m0 `scale`, named as in the checkpoint)
-  and quantises activations to fp8 before the GEMM (ARCHITECTURE.md §6.3); outputs are bf16.
+run's `Numerics` policy:
+- `reference` keeps fp8 / fp4 weights quantised (weight + ue8m0 `scale`, named as in the checkpoint),
+  quantises activations to fp8 and runs the reference's blockwise GEMM (ARCHITECTURE.md §6.3); outputs
+  are bf16.
 - `fast` holds every quantised weight dequantised in the compute dtype and skips activation
   quantisation.
+Every product goes through the policy's kernels (`numerics.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import formats
+from .numerics import Numerics
 
 STORAGES = ("fp8", "fp4", "bf16", "fp32")
 
@@ -45,17 +48,38 @@ def weight_shapes(in_features: int, out_features: int, storage: str) -> tuple[tu
     return (out_features, in_features), None
 
 
-def stored_dtypes(storage: str, numerics: str, compute_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype | None]:
-    """(weight dtype, scale dtype or None) a module holds for a given storage and numerics mode."""
-    if storage == "fp8" and numerics == "reference":
+def stored_dtypes(storage: str, numerics: Numerics, compute_dtype: torch.dtype
+                  ) -> tuple[torch.dtype, torch.dtype | None]:
+    """(weight dtype, scale dtype or None) a module holds for a given storage and numerics policy."""
+    if storage == "fp8" and numerics.quantized:
         return torch.float8_e4m3fn, torch.float8_e8m0fnu
-    if storage == "fp4" and numerics == "reference":
+    if storage == "fp4" and numerics.quantized:
         return torch.int8, torch.float8_e8m0fnu
     if storage == "fp32":
         return torch.float32, None
-    if storage == "bf16" and numerics == "reference":
+    if storage == "bf16" and numerics.quantized:
         return torch.bfloat16, None
     return compute_dtype, None
+
+
+def block_operands(weight: torch.Tensor, scale: torch.Tensor, storage: str, out_features: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantised [out, in] weight as the blockwise GEMM takes it: (code values fp32 [out, in],
+    power-of-two scales fp32 [out, in/32], one per output row and K block) (§6.2)."""
+    if storage == "fp4":
+        return formats.fp4_decode(formats.unpack_fp4(weight)), formats.e8m0_to_float(scale)
+    rows = formats.e8m0_to_float(scale).repeat_interleave(formats.FP8_WEIGHT_BLOCK, dim=0)[:out_features]
+    return weight.float(), rows
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str,
+                     out_features: int, numerics: Numerics) -> torch.Tensor:
+    """§6.3: fp8 activation quantisation per 32, the blockwise GEMM, bf16 out; x [..., in]."""
+    q, q_scale = formats.fp8_act_quant(x.float())
+    values, w_scale = block_operands(weight, scale, storage, out_features)
+    flat = q.float().reshape(-1, q.shape[-1])
+    y = numerics.block_scaled_matmul(flat, q_scale.reshape(flat.shape[0], -1), values, w_scale)
+    return y.to(torch.bfloat16).view(*x.shape[:-1], out_features)
 
 
 def dense_storage(cfg) -> str:
@@ -63,10 +87,18 @@ def dense_storage(cfg) -> str:
     return "fp8" if cfg.dtype == "fp8" else "bf16"
 
 
+def expert_storage(cfg) -> str:
+    """Storage of the routed experts: fp4 when `expert_dtype` is "fp4", else that of the dense Linears.
+
+    This is how the reference reads the key (its experts take the fp4 dtype or the default one), so
+    "fp8", "bf16" and null all mean "as `dtype`" (ARCHITECTURE.md §2)."""
+    return "fp4" if cfg.expert_dtype == "fp4" else dense_storage(cfg)
+
+
 class Linear(nn.Module):
     """y = x Wᵀ with W in one of the release's storage formats (no bias anywhere in the text model)."""
 
-    def __init__(self, in_features: int, out_features: int, storage: str = "fp8", *, numerics: str = "reference",
+    def __init__(self, in_features: int, out_features: int, storage: str, *, numerics: Numerics,
                  device=None, dtype: torch.dtype = torch.bfloat16, stored_as: str | None = None):
         super().__init__()
         if storage not in STORAGES:
@@ -101,15 +133,12 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized:
-            # §6.3: fp8 activation QDQ per 32, fp32 GEMM over exact dequantised values, bf16 out.
-            xq = formats.fp8_qdq(x.float())
-            return F.linear(xq, self.dequantized_weight()).to(torch.bfloat16)
-        if self.weight.dtype == torch.float32:
-            return F.linear(x.float(), self.weight)
-        return F.linear(x.to(self.weight.dtype), self.weight)
+            return quantized_linear(x, self.weight, self.scale, self.storage, self.out_features, self.numerics)
+        return self.numerics.linear(x.to(self.weight.dtype), self.weight)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, storage={self.storage}, numerics={self.numerics}"
+        return (f"in={self.in_features}, out={self.out_features}, storage={self.storage}, "
+                f"numerics={self.numerics.mode}/{self.numerics.kernels}")
 
 
 class Embedding(nn.Module):
@@ -127,9 +156,10 @@ class Embedding(nn.Module):
 class Head(nn.Module):
     """Output projection [V, D] held in fp32 so logits come out in fp32 (§8, trap 20)."""
 
-    def __init__(self, vocab_size: int, dim: int, *, device=None):
+    def __init__(self, vocab_size: int, dim: int, *, numerics: Numerics, device=None):
         super().__init__()
+        self.numerics = numerics
         self.weight = nn.Parameter(torch.empty(vocab_size, dim, device=device, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return self.numerics.linear(x.float(), self.weight.float())

@@ -43,12 +43,13 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.runtime = runtime or RuntimeConfig()
         self.roles = derive_roles(cfg)
-        dtype, numerics = self.runtime.torch_dtype, self.runtime.numerics
+        dtype, numerics = self.runtime.torch_dtype, self.runtime.numerics_policy
+        self.numerics = numerics
         kw = dict(numerics=numerics, device=device, dtype=dtype)
         self.embed = Embedding(cfg.vocab_size, cfg.dim, device=device, dtype=torch.bfloat16)
         self.layers = nn.ModuleList(Block(cfg, r, **kw) for r in self.roles[:cfg.n_layers])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
-        self.head = Head(cfg.vocab_size, cfg.dim, device=device)
+        self.head = Head(cfg.vocab_size, cfg.dim, numerics=numerics, device=device)
         if cfg.dspark_enabled:
             # DSpark stages, stored under mtp.* (ARCHITECTURE.md §15); embedding and head are tied
             self.mtp = nn.ModuleList(DSparkStage(cfg, r, **kw) for r in self.roles[cfg.n_layers:])
@@ -97,6 +98,7 @@ class Transformer(nn.Module):
         engram_rows = self._gather_engram_rows(ids, start_pos, cache, text_mask)
         step = ForwardState(start_pos=start_pos, length=T,
                             positions=torch.arange(start_pos, start_pos + T, device=ids.device),
+                            reference_layout=not self.numerics.invariant,
                             stale_index_keys=self.runtime.stale_index_keys)
         x = self.embed(ids).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)           # [B, T, S, D]
         pre = hyper.identity_pre(B, T, self.cfg.hc_mult, device=ids.device)

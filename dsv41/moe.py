@@ -3,11 +3,15 @@
 Shapes: n tokens (B·T flattened), D dim, F expert hidden, E routed experts (local to this rank),
 A experts per token, P = n·A token–expert pairs.
 
-Routing is a pure function (selection by score + bias, weights from the raw scores, trap 16). Routed
-experts are stored stacked ([E, out, in] logically) and run as one grouped GEMM over the pairs sorted
-by expert, with group offsets computed on the device: no per-expert host synchronisation (STYLE.md P7).
-When there are fewer pairs than experts (decode), only the chosen experts' weights are gathered and
-dequantised.
+Routing is a pure function (selection by score + bias, weights from the raw scores, trap 16; ties to
+the lower expert id). Routed experts are stored stacked ([E, out, in] logically). How they run depends
+on the numerics policy:
+- reference numerics, or invariant kernels: each expert that has rows runs once over all of them, in
+  ascending expert order, as the reference's expert loop does — the quantised blockwise GEMM, or one
+  matmul per projection for bf16 experts — so a row's result does not depend on its neighbours;
+- fast numerics with BLAS kernels: one grouped GEMM over the pairs sorted by expert, with group offsets
+  on the device (no per-expert host synchronisation, STYLE.md P7); when there are fewer pairs than
+  experts (decode), only the chosen experts' weights are gathered and dequantised.
 """
 
 from __future__ import annotations
@@ -16,22 +20,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import formats
-from .layers import Linear, stored_dtypes, weight_shapes
+from .layers import Linear, quantized_linear, stored_dtypes, weight_shapes
+from .numerics import Numerics
+from .topk import topk as ordered_topk
 
 # Routing weights are normalised with their own constant, not norm_eps (§13, trap 3).
 ROUTE_NORM_EPS = 1e-20
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float, *,
-          gate_temp: float = 1.0, bias_vl: torch.Tensor | None = None,
+          numerics: Numerics, gate_temp: float = 1.0, bias_vl: torch.Tensor | None = None,
           image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, D] → (weights [n, A] fp32, expert ids [n, A]); bias (or bias_vl on image tokens) only selects."""
-    scores = F.softplus(F.linear(x.float(), weight.float()) / gate_temp).sqrt()           # [n, E]
+    scores = F.softplus(numerics.linear(x.float(), weight.float()) / gate_temp).sqrt()   # [n, E]
     select_bias = bias
     if bias_vl is not None and image_mask is not None:
         select_bias = torch.where(image_mask.unsqueeze(-1), bias_vl, bias)
-    ids = (scores + select_bias).topk(topk, dim=-1).indices
+    ids = ordered_topk(scores + select_bias, topk)[1]
     weights = scores.gather(1, ids)
     if topk > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTE_NORM_EPS)
@@ -50,7 +55,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 class Expert(nn.Module):
     """The shared expert: SwiGLU with fp8 weights w1 (gate), w3 (up), w2 (down)."""
 
-    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float, *, numerics: str, storage: str = "fp8",
+    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float, *, numerics: Numerics, storage: str = "fp8",
                  device=None, dtype=torch.bfloat16):
         super().__init__()
         kw = dict(numerics=numerics, device=device, dtype=dtype)
@@ -66,7 +71,7 @@ class Expert(nn.Module):
 class StackedWeight(nn.Module):
     """E matrices [out, in] in one storage format: `weight [E, …]` and, if quantised, `scale [E, …]`."""
 
-    def __init__(self, n_experts: int, in_features: int, out_features: int, storage: str, *, numerics: str,
+    def __init__(self, n_experts: int, in_features: int, out_features: int, storage: str, *, numerics: Numerics,
                  device=None, dtype=torch.bfloat16):
         super().__init__()
         self.storage, self.in_features, self.out_features = storage, in_features, out_features
@@ -81,22 +86,25 @@ class StackedWeight(nn.Module):
             self.register_parameter("scale", None)
 
     def dequantized(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """[len(ids) or E, out, in] logical weights of the given experts (all when ids is None)."""
+        """[len(ids) or E, out, in] weights of the given experts (all when ids is None), as held by
+        fast numerics (already dequantised)."""
         w = self.weight if ids is None else self.weight[ids]
-        if self.scale is None:
-            return w.to(dtype)
-        s = self.scale if ids is None else self.scale[ids]
-        if self.storage == "fp4":
-            return formats.dequantize_fp4_weight(w.flatten(0, 1), s.flatten(0, 1)).view(
-                w.shape[0], self.out_features, self.in_features).to(dtype)
-        return torch.stack([formats.dequantize_fp8_weight(wi, si) for wi, si in zip(w, s)]).to(dtype)
+        return w.to(dtype)
+
+    def apply(self, x: torch.Tensor, expert: int, numerics: Numerics) -> torch.Tensor:
+        """x [m, in] through expert `expert`: the quantised blockwise GEMM (bf16 out) or one matmul."""
+        if self.scale is not None:
+            return quantized_linear(x, self.weight[expert], self.scale[expert], self.storage, self.out_features,
+                                    numerics)
+        w = self.weight[expert]
+        return numerics.linear(x.to(w.dtype), w)
 
 
 class RoutedExperts(nn.Module):
     """E SwiGLU experts stored stacked; checkpoint `experts.{e}.w1.weight` is row e of `experts.w1.weight`."""
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int, storage: str, swiglu_limit: float, *,
-                 numerics: str, partial: bool = False, device=None, dtype=torch.bfloat16):
+                 numerics: Numerics, partial: bool = False, device=None, dtype=torch.bfloat16):
         super().__init__()
         kw = dict(numerics=numerics, device=device, dtype=dtype)
         self.n_experts, self.numerics, self.swiglu_limit = n_experts, numerics, swiglu_limit
@@ -107,12 +115,6 @@ class RoutedExperts(nn.Module):
         self.w1 = StackedWeight(n_experts, dim, inter_dim, storage, **kw)
         self.w2 = StackedWeight(n_experts, inter_dim, dim, storage, **kw)
         self.w3 = StackedWeight(n_experts, dim, inter_dim, storage, **kw)
-
-    def _activation(self, x: torch.Tensor) -> torch.Tensor:
-        # fp8 activation QDQ before every quantised GEMM (§6.3); reference math runs in fp32.
-        if self.w1.scale is not None:
-            return formats.fp8_qdq(x.float())
-        return x
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [n, D], weights/ids [n, A] (local expert ids, −1 = not on this rank) → Σ_pairs out [n, D] fp32."""
@@ -129,57 +131,64 @@ class RoutedExperts(nn.Module):
         # runs in ascending expert order, as the reference's expert loop adds them.
         order = torch.argsort(expert, stable=True)
         token, expert, w = token[order], expert[order], w[order]
-        if expert.numel() < self.n_experts:
+        if self.numerics.quantized or self.numerics.invariant:
+            out = self._per_expert(x[token], expert, w)
+        elif expert.numel() < self.n_experts:
             out = self._gathered(x[token], expert, w)
         else:
             out = self._grouped(x[token], expert, w)
         return torch.zeros(n, x.shape[1], device=x.device, dtype=torch.float32).index_add_(0, token, out.float())
 
-    def _mm_dtype(self, x: torch.Tensor) -> torch.dtype:
-        return torch.float32 if self.w1.scale is not None else x.dtype
-
     def _finish(self, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # the routing weight multiplies before w2, so it passes through w2's activation QDQ (trap 17)
-        h = (swiglu(gate, up, self.swiglu_limit) * w.unsqueeze(-1)).to(dtype)
-        return self._activation(h)
+        return (swiglu(gate, up, self.swiglu_limit) * w.unsqueeze(-1)).to(dtype)
 
+    def _per_expert(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Pairs sorted by expert → outputs [P, D]: each expert with rows runs once over all of them."""
+        ends = torch.bincount(expert, minlength=self.n_experts).cumsum(0).tolist()
+        out = x.new_empty(x.shape[0], self.w2.out_features)
+        start = 0
+        for e, end in enumerate(ends):
+            if end > start:
+                rows = x[start:end]
+                gate, up = self.w1.apply(rows, e, self.numerics), self.w3.apply(rows, e, self.numerics)
+                h = self._finish(gate, up, w[start:end], x.dtype)
+                out[start:end] = self.w2.apply(h, e, self.numerics).to(x.dtype)
+            start = end
+        return out
+
+    # Fast numerics with BLAS kernels: weights are held dequantised in the compute dtype.
     def _gathered(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        dt, out_dtype = self._mm_dtype(x), x.dtype
-        xa = self._activation(x).to(dt).unsqueeze(1)                                      # [P, 1, D]
-        gate = torch.bmm(xa, self.w1.dequantized(expert, dt).transpose(1, 2)).squeeze(1).to(out_dtype)
-        up = torch.bmm(xa, self.w3.dequantized(expert, dt).transpose(1, 2)).squeeze(1).to(out_dtype)
-        h = self._finish(gate, up, w, out_dtype).to(dt).unsqueeze(1)
-        return torch.bmm(h, self.w2.dequantized(expert, dt).transpose(1, 2)).squeeze(1).to(out_dtype)
+        """Fewer pairs than experts: each pair against its expert's gathered weights (one bmm)."""
+        xa = x.unsqueeze(1)                                                                # [P, 1, D]
+        gate = torch.bmm(xa, self.w1.dequantized(expert, x.dtype).transpose(1, 2)).squeeze(1)
+        up = torch.bmm(xa, self.w3.dequantized(expert, x.dtype).transpose(1, 2)).squeeze(1)
+        h = self._finish(gate, up, w, x.dtype).unsqueeze(1)
+        return torch.bmm(h, self.w2.dequantized(expert, x.dtype).transpose(1, 2)).squeeze(1)
 
     def _grouped(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Pairs already sorted by expert → outputs [P, D] (one grouped GEMM per projection)."""
         ends = torch.bincount(expert, minlength=self.n_experts).cumsum(0)
-        xs = self._activation(x)
-        gate, up = self._grouped_mm(xs, self.w1, ends), self._grouped_mm(xs, self.w3, ends)
+        gate, up = self._grouped_mm(x, self.w1, ends), self._grouped_mm(x, self.w3, ends)
         return self._grouped_mm(self._finish(gate, up, w, x.dtype), self.w2, ends)
 
     def _grouped_mm(self, a: torch.Tensor, bank: StackedWeight, ends: torch.Tensor) -> torch.Tensor:
-        """Rows of a sorted by expert, expert e owning rows [ends[e−1], ends[e]) → a_e · W_eᵀ, bf16.
+        """Rows of a sorted by expert, expert e owning rows [ends[e−1], ends[e]) → a_e · W_eᵀ.
 
-        On an accelerator: one grouped GEMM with device-side offsets (no host sync). On the CPU the
-        offsets are already host memory, and a loop over the experts that have rows is several times
-        faster than torch's CPU grouped kernel and dequantises only those experts.
+        On an accelerator: one grouped GEMM with device-side offsets (no host sync; the kernels take
+        bf16). On the CPU the offsets are already host memory, and a loop over the experts that have
+        rows is several times faster than torch's CPU grouped kernel.
         """
-        dt, out_dtype = self._mm_dtype(a), torch.bfloat16 if self.w1.scale is not None else a.dtype
-        # Quantised operands (fp8 activations, fp4/fp8 weights times powers of two) are exact in bf16, so
-        # the kernel takes bf16 inputs with fp32 accumulation and gives the fp32 GEMM's result.
-        kernel_dt = torch.bfloat16 if self.w1.scale is not None else a.dtype
         kernel = self.grouped_kernel if self.grouped_kernel is not None else (
-            a.device.type != "cpu" and kernel_dt == torch.bfloat16)        # accelerator kernels are bf16
+            a.device.type != "cpu" and a.dtype == torch.bfloat16)
         if kernel:
-            weights = bank.dequantized(None, kernel_dt).transpose(1, 2)
-            return torch._grouped_mm(a.to(kernel_dt), weights, offs=ends.to(torch.int32)).to(out_dtype)
-        out = a.new_empty(a.shape[0], bank.out_features, dtype=out_dtype)
+            weights = bank.dequantized(None, a.dtype).transpose(1, 2)
+            return torch._grouped_mm(a, weights, offs=ends.to(torch.int32))
+        out = a.new_empty(a.shape[0], bank.out_features)
         start = 0
         for e, end in enumerate(ends.tolist()):
             if end > start:
-                w_e = bank.dequantized(torch.tensor([e]), dt)[0]
-                out[start:end] = (a[start:end].to(dt) @ w_e.t()).to(out_dtype)
+                out[start:end] = a[start:end] @ bank.weight[e].to(a.dtype).t()
             start = end
         return out
 
@@ -188,8 +197,9 @@ class MoE(nn.Module):
     def __init__(self, dim: int, inter_dim: int, n_experts: int, n_activated: int, route_scale: float,
                  swiglu_limit: float, expert_storage: str, *, vision: bool, gate_temp: float = 1.0,
                  dense_storage: str = "fp8",
-                 numerics: str, device=None, dtype=torch.bfloat16, expert_range: tuple[int, int] | None = None):
+                 numerics: Numerics, device=None, dtype=torch.bfloat16, expert_range: tuple[int, int] | None = None):
         super().__init__()
+        self.numerics = numerics
         self.n_experts, self.topk, self.route_scale, self.gate_temp = n_experts, n_activated, route_scale, gate_temp
         self.expert_range = expert_range or (0, n_experts)
         kw = dict(numerics=numerics, device=device, dtype=dtype)
@@ -200,8 +210,8 @@ class MoE(nn.Module):
         self.shared_experts = Expert(dim, inter_dim, swiglu_limit, storage=dense_storage, **kw)
 
     def route(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
-        return route(x, self.gate.weight, self.gate.bias, self.topk, self.route_scale, gate_temp=self.gate_temp,
-                     bias_vl=self.gate.bias_vl, image_mask=image_mask)
+        return route(x, self.gate.weight, self.gate.bias, self.topk, self.route_scale, numerics=self.numerics,
+                     gate_temp=self.gate_temp, bias_vl=self.gate.bias_vl, image_mask=image_mask)
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] (after ffn_norm) → [B, T, D]; image_mask [B, T] selects bias_vl."""

@@ -92,7 +92,7 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, *, param
     cache = model.new_cache(1, context)
     token, last = _prefill(model, prompt, cache, params, gen, prefill_chunk), len(prompt) - 1
     out, stats = [token], SpeculativeStats(per_position=[0] * k)
-    while len(out) < max_new_tokens and token != eos_id and last + 2 + k <= context:
+    while len(out) < max_new_tokens and eos_id not in out and last + 2 + k <= context:
         committed = _cycle(model, cache, token, last, params, gen, stats)
         out += committed
         last += len(committed)

@@ -13,6 +13,7 @@ from dsv41.cache import SourceState
 from dsv41.compressor import Compressor
 from dsv41.indexer import Indexer, candidate_blocks, select_topk, visible_counts
 from dsv41.init import init_random_
+from dsv41.numerics import FAST, Numerics
 from dsv41.rope import Rotary
 
 import helpers
@@ -39,12 +40,14 @@ def window_rows_brute_force(start_pos, T, W):
     return out
 
 
+@pytest.mark.parametrize("reference_layout", [False, True])
 @pytest.mark.parametrize("W", [1, 2, 3, 4, 8])
-def test_window_indices_against_brute_force(W):
+def test_window_indices_against_brute_force(W, reference_layout):
     for start_pos in range(0, 21):
         for T in range(1, 13):
-            got = window_indices(start_pos, T, W)
-            width = min(T, W) if start_pos == 0 else W                      # the reference's list widths
+            got = window_indices(start_pos, T, W, reference_layout=reference_layout)
+            # the reference lists min(T, W) entries in a call from 0; the canonical layout always W
+            width = min(T, W) if reference_layout and start_pos == 0 else W
             assert got.shape == (T, width)
             expect = window_rows_brute_force(start_pos, T, W)
             for t in range(T):
@@ -58,10 +61,13 @@ def test_window_indices_against_brute_force(W):
 def test_window_indices_wrap_around_example():
     # W = 4, decode at p = 9: positions 6, 7, 8 from ring slots 2, 3, 0 and p itself from call row 0
     assert window_indices(9, 1, 4).tolist() == [[2, 3, 0, 4]]
-    # prefill from 0 lists min(T, W) entries, valid first (the reference's order): query 1 sees 0, 1
-    assert window_indices(0, 3, 4).tolist()[1] == [4, 5, -1]
+    # the reference's prefill from 0 lists min(T, W) entries, valid first: query 1 sees 0, 1
+    assert window_indices(0, 3, 4, reference_layout=True).tolist()[1] == [4, 5, -1]
     # decode before the ring is full lists W entries, −1 (positions before 0) first
     assert window_indices(2, 1, 4).tolist() == [[-1, 0, 1, 4]]
+    # the canonical layout gives a position the same list in a prefill as in a decode step:
+    # position 2 seen by a prefill of 3 from 0 (call rows 4, 5, 6) and by a decode step at 2
+    assert window_indices(0, 3, 4).tolist()[2] == [-1, 4, 5, 6]
 
 
 # ------------------------------------------------------------------------------------------ sparse attention
@@ -93,10 +99,14 @@ def dense_attention_oracle(q, pool, rows, sink, scale, round_probs=False):
     return out
 
 
+REF_BLAS, REF_INVARIANT = Numerics("reference", "blas"), Numerics("reference", "invariant")
+
+
 @pytest.fixture(scope="module")
 def attention_inputs():
     g = torch.Generator().manual_seed(10)
-    B, T, H, Dh, N, n = 2, 5, 3, 16, 12, 7
+    # n > 64: the reference's online softmax walks three blocks
+    B, T, H, Dh, N, n = 2, 5, 3, 16, 200, 150
     q = torch.randn(B, T, H, Dh, generator=g)
     pool = torch.randn(B, N, Dh, generator=g)
     # distinct rows per query, as real index lists are (window rows and offset compressed rows)
@@ -109,21 +119,43 @@ def attention_inputs():
 
 def test_sparse_attention_matches_dense_oracle(attention_inputs):
     q, pool, rows, sink, scale = attention_inputs
-    got = sparse_attention(q, pool, rows, sink, scale, block=None)
-    expect = dense_attention_oracle(q, pool, rows, sink, scale)
-    torch.testing.assert_close(got.double(), expect, rtol=0, atol=1e-5)
-    assert torch.equal(got[0, 2], torch.zeros_like(got[0, 2]))
+    for numerics in (FAST, Numerics("fast", "invariant")):        # one softmax; blocks of 64 without rounding
+        got = sparse_attention(q, pool, rows, sink, scale, numerics)
+        expect = dense_attention_oracle(q, pool, rows, sink, scale)
+        torch.testing.assert_close(got.double(), expect, rtol=0, atol=1e-5)
+        assert torch.equal(got[0, 2], torch.zeros_like(got[0, 2]))
 
 
-@pytest.mark.parametrize("block", [64, 3, 1])
-def test_sparse_attention_rounded_probabilities(attention_inputs, block):
-    """Reference numerics: online softmax over blocks, bf16 probabilities; one block = the dense oracle
-    with rounded probabilities, several blocks stay within bf16 rounding of it."""
+@pytest.mark.parametrize("numerics", [REF_BLAS, REF_INVARIANT], ids=["blas", "invariant"])
+def test_sparse_attention_rounded_probabilities(attention_inputs, numerics):
+    """Reference numerics: online softmax over blocks of 64, bf16 probabilities against the running
+    maximum: within bf16 rounding of the dense oracle with rounded probabilities."""
     q, pool, rows, sink, scale = attention_inputs
-    got = sparse_attention(q, pool, rows, sink, scale, block=block)
-    expect = dense_attention_oracle(q, pool, rows, sink, scale, round_probs=True)
-    torch.testing.assert_close(got.double(), expect, rtol=0, atol=2e-3)
-    assert torch.equal(got[0, 2], torch.zeros_like(got[0, 2]))
+    got = sparse_attention(q.bfloat16(), pool.bfloat16(), rows, sink, scale, numerics)
+    expect = dense_attention_oracle(q.bfloat16(), pool.bfloat16(), rows, sink, scale, round_probs=True)
+    torch.testing.assert_close(got.double(), expect, rtol=0, atol=1e-2)
+    assert got.dtype == torch.bfloat16 and torch.equal(got[0, 2], torch.zeros_like(got[0, 2]))
+
+
+def test_sparse_attention_rounds_per_block_of_64(attention_inputs):
+    """Which block an entry falls in changes the rounding: moving every valid entry one block later
+    (64 entries of −1 in front) changes nothing, moving them by half a block does."""
+    q, pool, rows, sink, scale = attention_inputs
+    q, pool = q.bfloat16(), pool.bfloat16()
+    base = sparse_attention(q, pool, rows, sink, scale, REF_BLAS)
+    pad = lambda n: torch.cat([torch.full(rows.shape[:2] + (n,), -1), rows], dim=-1)
+    assert torch.equal(sparse_attention(q, pool, pad(64), sink, scale, REF_BLAS), base)
+    assert not torch.equal(sparse_attention(q, pool, pad(32), sink, scale, REF_BLAS), base)
+
+
+def test_invariant_kernels_ignore_trailing_padding(attention_inputs):
+    """A longer call lists more −1 entries after a query's own (a larger k = min(K, C)): with invariant
+    kernels the result is bit-identical; the BLAS path's short last block sums in another order."""
+    q, pool, rows, sink, scale = attention_inputs
+    q, pool = q.bfloat16(), pool.bfloat16()
+    longer = torch.cat([rows, torch.full(rows.shape[:2] + (37,), -1)], dim=-1)
+    assert torch.equal(sparse_attention(q, pool, longer, sink, scale, REF_INVARIANT),
+                       sparse_attention(q, pool, rows, sink, scale, REF_INVARIANT))
 
 
 def test_sink_is_not_scaled_and_has_no_value():
@@ -132,7 +164,7 @@ def test_sink_is_not_scaled_and_has_no_value():
     pool = torch.tensor([[[0.5, 0.25, -0.5, 1.0]]])
     z = float((q.flatten() * pool.flatten()).sum()) * 0.5
     sink = torch.tensor([0.3])
-    got = sparse_attention(q, pool, torch.zeros(1, 1, 1, dtype=torch.long), sink, 0.5, block=None)
+    got = sparse_attention(q, pool, torch.zeros(1, 1, 1, dtype=torch.long), sink, 0.5, FAST)
     weight = math.exp(z) / (math.exp(z) + math.exp(0.3))
     torch.testing.assert_close(got.flatten(), pool.flatten() * weight, rtol=1e-6, atol=1e-7)
 
@@ -140,8 +172,8 @@ def test_sink_is_not_scaled_and_has_no_value():
 def test_row_order_does_not_matter(attention_inputs):
     q, pool, rows, sink, scale = attention_inputs
     perm = torch.randperm(rows.shape[-1], generator=torch.Generator().manual_seed(3))
-    a = sparse_attention(q, pool, rows, sink, scale, block=None)
-    b = sparse_attention(q, pool, rows[..., perm], sink, scale, block=None)
+    a = sparse_attention(q, pool, rows, sink, scale, FAST)
+    b = sparse_attention(q, pool, rows[..., perm], sink, scale, FAST)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
@@ -231,7 +263,7 @@ def test_candidate_drops_blocks_with_nothing_visible_and_keeps_at_most_the_block
 
 def make_compressor(ratio, numerics, dim=64, head_dim=64, seed=0):
     dtype = torch.float32 if numerics == "fast" else torch.bfloat16
-    comp = Compressor(dim, head_dim, ratio, 1e-20, numerics=numerics, dtype=dtype)
+    comp = Compressor(dim, head_dim, ratio, 1e-20, numerics=Numerics.default(numerics), dtype=dtype)
     return init_random_(comp, seed), dtype
 
 
@@ -319,7 +351,7 @@ def test_compressor_ratio_1_is_a_normed_projection():
 def indexer_parts():
     cfg = helpers.nonbinding_config()
     idx = init_random_(Indexer(cfg.dim, cfg.q_lora_rank, cfg.head_dim, 3, 32, 1e-20, owns_keys=True,
-                               numerics="fast", dtype=torch.float32), 5)
+                               numerics=FAST, dtype=torch.float32), 5)
     rotary = Rotary.for_layer(cfg, 1)
     g = torch.Generator().manual_seed(16)
     B, T, C = 2, 4, 9
@@ -368,7 +400,7 @@ def test_indexer_keys_against_formula(indexer_parts):
 def test_indexer_reference_numerics_quantises_queries():
     cfg = helpers.nonbinding_config()
     idx = init_random_(Indexer(cfg.dim, cfg.q_lora_rank, cfg.head_dim, 2, 32, 1e-20, owns_keys=False,
-                               numerics="reference", dtype=torch.bfloat16), 6)
+                               numerics=REF_INVARIANT, dtype=torch.bfloat16), 6)
     rotary = Rotary.for_layer(cfg, 1)
     g = torch.Generator().manual_seed(18)
     x = torch.randn(1, 3, cfg.dim, generator=g).to(torch.bfloat16)
@@ -487,6 +519,6 @@ def test_sparse_attention_released_head_width():
     rows = torch.randperm(pool.shape[1], generator=g)[:640].view(1, 1, 640)
     rows[..., 600:] = -1
     sink = torch.randn(4, generator=g)
-    got = sparse_attention(q, pool, rows, sink, 512 ** -0.5, block=None)
+    got = sparse_attention(q, pool, rows, sink, 512 ** -0.5, FAST)
     expect = dense_attention_oracle(q, pool, rows, sink, 512 ** -0.5)
     torch.testing.assert_close(got.double(), expect, rtol=0, atol=1e-5)

@@ -10,6 +10,7 @@ from dsv41 import formats
 from dsv41.config import ModelConfig
 from helpers import RELEASED_CONFIG
 from dsv41.engram import Engram, stream_gate
+from dsv41.numerics import REFERENCE
 
 RELEASE = RELEASED_CONFIG  # ../shared/spec/config.json (DEVELOPING.md)
 EPS = 1e-20
@@ -115,7 +116,7 @@ def dense_engram(module: Engram, x, ids, mask):
 def test_module_matches_dense_version(cfg):
     small = small_config(cfg)
     gen = torch.Generator().manual_seed(3)
-    module = Engram(small, 1)
+    module = Engram(small, 1, REFERENCE)
     randomise(module, gen)
     B, T, S, D, N = 2, 5, 4, 64, 4
     assert module.n_columns == N and module.embed.weight.shape == (71, 64)
@@ -139,7 +140,7 @@ def test_module_matches_dense_version(cfg):
 
 def test_no_mask_equals_all_text(cfg):
     gen = torch.Generator().manual_seed(4)
-    module = Engram(small_config(cfg), 0)
+    module = Engram(small_config(cfg), 0, REFERENCE)
     randomise(module, gen)
     x = torch.randn(1, 3, 4, 64, generator=gen).to(torch.bfloat16)
     rows = module.gather(torch.randint(0, 53, (1, 3, 4), generator=gen))
@@ -147,13 +148,13 @@ def test_no_mask_equals_all_text(cfg):
 
 
 def test_gather_checks_columns(cfg):
-    module = Engram(small_config(cfg), 0)
+    module = Engram(small_config(cfg), 0, REFERENCE)
     with pytest.raises(ValueError, match="4 hash columns"):
         module.gather(torch.zeros(1, 1, 24, dtype=torch.int64))
 
 
 def test_released_shapes_and_gate_parameter_count(cfg):
-    module = Engram(cfg, 0, device="meta")
+    module = Engram(cfg, 0, REFERENCE, device="meta")
     gate_params = module.q_weight.numel() + module.k_weight.numel()
     assert gate_params == 40_960
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}
@@ -165,4 +166,4 @@ def test_released_shapes_and_gate_parameter_count(cfg):
         "q_weight": ((4, 5120), torch.bfloat16),
         "k_weight": ((4, 5120), torch.bfloat16),
     }
-    assert Engram(cfg, 1, device="meta").embed.weight.shape[0] == 384016682
+    assert Engram(cfg, 1, REFERENCE, device="meta").embed.weight.shape[0] == 384016682

@@ -9,6 +9,7 @@ import torch
 from dsv41 import formats
 from dsv41.init import init_random_
 from dsv41.moe import MoE, route, swiglu
+from dsv41.numerics import FAST, Numerics
 
 E, A, D, F_ = 8, 2, 64, 32
 LIMIT = 1.0          # a small clamp so both SwiGLU clamps are active with random weights
@@ -53,7 +54,7 @@ def router_inputs():
 @pytest.mark.parametrize("topk", [1, 2, 3])
 def test_route_against_formula(router_inputs, topk):
     x, weight, bias, bias_vl, image_mask = router_inputs
-    w, ids = route(x, weight, bias, topk, 1.5, bias_vl=bias_vl, image_mask=image_mask)
+    w, ids = route(x, weight, bias, topk, 1.5, numerics=FAST, bias_vl=bias_vl, image_mask=image_mask)
     assert w.dtype == torch.float32
     w_ref, ids_ref = route_by_formula(x, weight, bias, topk, 1.5, bias_vl, image_mask)
     w, ids = sort_pairs(w, ids)
@@ -68,7 +69,7 @@ def test_bias_selects_but_never_scales(router_inputs):
     x, weight, _, _, _ = router_inputs
     bias = torch.zeros(E)
     bias[5] = 100.0                                                  # expert 5 always chosen
-    w, ids = route(x, weight, bias, 2, 1.0)
+    w, ids = route(x, weight, bias, 2, 1.0, numerics=FAST)
     assert (ids == 5).any(-1).all()
     scores = torch.sqrt(torch.nn.functional.softplus(x.float() @ weight.float().t()))
     raw = scores.gather(1, ids)
@@ -81,9 +82,9 @@ def test_bias_vl_only_on_image_tokens(router_inputs):
     bias_vl[7] = 100.0
     mask = torch.zeros(12, dtype=torch.bool)
     mask[[1, 4]] = True
-    _, ids = route(x, weight, bias, 2, 1.0, bias_vl=bias_vl, image_mask=mask)
+    _, ids = route(x, weight, bias, 2, 1.0, numerics=FAST, bias_vl=bias_vl, image_mask=mask)
     assert (ids[mask] == 7).any(-1).all()
-    _, ids_text = route(x, weight, bias, 2, 1.0)
+    _, ids_text = route(x, weight, bias, 2, 1.0, numerics=FAST)
     assert torch.equal(ids[~mask], ids_text[~mask])
 
 
@@ -108,7 +109,7 @@ def test_swiglu_clamps_are_asymmetric():
 
 def make_moe(numerics):
     dtype = torch.float32 if numerics == "fast" else torch.bfloat16
-    moe = MoE(D, F_, E, A, 1.5, LIMIT, "fp4", vision=True, numerics=numerics, dtype=dtype)
+    moe = MoE(D, F_, E, A, 1.5, LIMIT, "fp4", vision=True, numerics=Numerics.default(numerics), dtype=dtype)
     return init_random_(moe, 21), dtype
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dsv41 import hyper
+from dsv41.numerics import FAST
 from dsv41.rope import Rotary, yarn_frequencies
 
 import helpers
@@ -198,7 +199,7 @@ def test_mixes_uses_one_rms_over_all_streams():
     x = torch.randn(B, T, S, D, generator=g).to(torch.bfloat16)
     fn = torch.randn(24, S * D, generator=g) * 0.1
     scale, base = torch.tensor([1.0, 0.5, 2.0]), torch.randn(24, generator=g)
-    pre, post, comb = hyper.mixes(x, fn, scale, base, iters=20, norm_eps=1e-20, hc_eps=1e-6)
+    pre, post, comb = hyper.mixes(x, fn, scale, base, iters=20, norm_eps=1e-20, hc_eps=1e-6, numerics=FAST)
     flat = x.double().reshape(B, T, S * D)                      # stream-major flattening
     m = (flat @ fn.double().t()) / torch.sqrt(flat.square().mean(-1, keepdim=True) + 1e-20)
     pre2, post2, comb2 = hyper.split_mixes(m.float(), scale, base, S, 20, 1e-6)

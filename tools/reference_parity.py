@@ -97,7 +97,7 @@ def copy_weights(ours: Transformer, ref: torch.nn.Module) -> None:
 
 def compare(module, cfg: ModelConfig, seed: int, tokens: int, prefill: int) -> dict[str, float | bool]:
     max_seq = 2 * tokens
-    ours = init_random_(Transformer(cfg, RuntimeConfig(max_seq_len=max_seq, stale_index_keys=True)), seed)
+    ours = init_random_(Transformer(cfg, RuntimeConfig(max_seq_len=max_seq, kernels="blas", stale_index_keys=True)), seed)
     with default_dtype(torch.bfloat16):
         ref = module.Transformer(reference_args(module, cfg, max_seq))
     copy_weights(ours, ref)

@@ -64,8 +64,9 @@ def _dense(cfg: ModelConfig) -> str:
 
 
 def _expert(cfg: ModelConfig) -> str:
-    """Storage of routed experts: `expert_dtype` (fp4 in the release)."""
-    return {"fp4": FP4, "fp8": FP8, "bf16": BF16}[cfg.expert_dtype]
+    """Storage of routed experts: fp4 when `expert_dtype` says so (the release), else as `dtype` — the
+    reference's reading of the key (`layers.expert_storage`)."""
+    return FP4 if cfg.expert_dtype == "fp4" else _dense(cfg)
 
 
 # ---------------------------------------------------------------------------------------- families

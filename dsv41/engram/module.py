@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import Linear
+from ..layers import Linear, dense_storage
+from ..numerics import Numerics
 from .table import EngramTable
 
 GATE_SQRT_FLOOR = 1e-6  # |a| is clamped to this before the signed square root (§9 step 5)
@@ -35,13 +36,14 @@ def stream_gate(x: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: f
 class Engram(nn.Module):
     """One Engram layer: table `embed`, projection `wkv` to S keys + one value, gate `q_weight`·`k_weight`."""
 
-    def __init__(self, cfg, engram_index: int, numerics: str = "reference", *, device=None):
+    def __init__(self, cfg, engram_index: int, numerics: Numerics, *, device=None):
         super().__init__()
         self.layer_id = cfg.engram_layer_ids[engram_index]
         self.streams, self.dim, self.eps = cfg.hc_mult, cfg.dim, cfg.norm_eps  # eps 1e-20 (§6.7, trap 3)
         self.n_columns, self.head_dim = cfg.engram_hash_columns, cfg.engram_head_dim
         self.embed = EngramTable(cfg.engram_num_embeddings[engram_index], self.head_dim, device=device)
-        self.wkv = Linear(self.n_columns * self.head_dim, (self.streams + 1) * self.dim, "fp8",
+        # wkv follows `dtype` like every dense Linear (the table itself is always fp8, §9)
+        self.wkv = Linear(self.n_columns * self.head_dim, (self.streams + 1) * self.dim, dense_storage(cfg),
                           numerics=numerics, device=device)
         # bf16 in the checkpoint; only their product is ever used (§9 step 3). Identity gate weights
         # until loaded, as the reference initialises them.

@@ -1,0 +1,135 @@
+"""The numerics policy: which number formats a model computes in and which kernels compute it.
+
+Shapes: M rows (positions), K reduction width, N outputs, nb = K / 32 quantisation blocks.
+
+One frozen object, built from the runtime config and passed to every module (STYLE.md P2, A1):
+
+- `mode` "reference" keeps fp8 / fp4 weights quantised, quantises activations before every quantised
+  GEMM, applies the three attention QDQ points and rounds attention probabilities per block of 64, as
+  the public reference does (ARCHITECTURE.md §6); "fast" holds dequantised weights and skips all of it.
+- `kernels` decides how a product-sum is reduced:
+  - "invariant": every matmul is reduced in float64 and rounded once to its output precision. The
+    operands of the model's matmuls are bf16 values or quantised values, whose products are exact in
+    float64 and whose sums are exact or within 2⁻⁵³ of it, so the result does not depend on the order in
+    which a library sums, and thus not on how many rows the call has: a position gives the same bits in
+    a prefill, a chunk, a decode step, a verify pass or a batch (docs/NUMERICS.md). Attention lists have
+    one canonical layout per query position (see `attention.py`).
+  - "blas": each call's matmuls go to the BLAS at the call's shape, the way the public reference runs
+    them. Faster, and with reference numerics bit-identical to the reference's CPU port on the calls the
+    reference supports; but the BLAS sums a 1-row call in another order than a 6-row one, so results
+    move in the last bit with the call shape (trap 23).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import formats
+
+MODES = ("reference", "fast")
+KERNELS = ("invariant", "blas")
+# The reference kernel walks an attention list in blocks of 64 indices (§11.7, kernel.py `block`).
+ATTENTION_BLOCK = 64
+# Quantised GEMMs sum each 32-wide K block on its own (§6.3: one activation scale per 32 inputs).
+GEMM_BLOCK = 32
+# Largest float64 weight copy an invariant matmul makes at once (the head is 129280 × 5120).
+FLOAT64_CHUNK_ELEMENTS = 1 << 25
+
+
+@dataclass(frozen=True)
+class Numerics:
+    mode: str = "reference"
+    kernels: str = "invariant"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"numerics must be one of {MODES}, got {self.mode!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+
+    @classmethod
+    def default(cls, mode: str) -> "Numerics":
+        """Reference numerics default to invariant kernels (the engine's guarantees rest on them);
+        fast numerics to the BLAS (speed first)."""
+        return cls(mode, "invariant" if mode == "reference" else "blas")
+
+    # ------------------------------------------------------------------------------ properties
+    @property
+    def quantized(self) -> bool:
+        """fp8 / fp4 weights stay quantised and activations are quantised before their GEMMs."""
+        return self.mode == "reference"
+
+    @property
+    def invariant(self) -> bool:
+        return self.kernels == "invariant"
+
+    @property
+    def attention_block(self) -> int | None:
+        """Indices per online-softmax block; None = one exact softmax over the whole list."""
+        return ATTENTION_BLOCK if self.quantized or self.invariant else None
+
+    @property
+    def round_probabilities(self) -> bool:
+        """Attention probabilities rounded to bf16 before P·V, as the reference kernel does (§11.7)."""
+        return self.quantized
+
+    # ------------------------------------------------------------------------------ QDQ points (§6.4)
+    def qdq_window(self, x: torch.Tensor) -> torch.Tensor:
+        """Point #2: window KV (and DSpark KV), fp8 in blocks of 32 with ue8m0 scales."""
+        return formats.fp8_qdq(x, 32) if self.quantized else x
+
+    def qdq_compressed(self, x: torch.Tensor) -> torch.Tensor:
+        """Point #3: compressed KV, fp4 in blocks of 16 with e4m3 scales."""
+        return formats.fp4_qdq_e4m3(x, 16) if self.quantized else x
+
+    def qdq_index(self, x: torch.Tensor) -> torch.Tensor:
+        """Point #4: indexer queries and keys, fp4 in blocks of 32 with ue8m0 scales."""
+        return formats.fp4_qdq_e8m0(x, 32) if self.quantized else x
+
+    # ------------------------------------------------------------------------------ kernels
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [..., K] @ weight [N, K]ᵀ in x's dtype (fp32 or bf16 operands of one dtype)."""
+        if not self.invariant:
+            return F.linear(x, weight)
+        rows = max(1, FLOAT64_CHUNK_ELEMENTS // max(weight.shape[1], 1))
+        x64 = x.double()
+        parts = [F.linear(x64, weight[i:i + rows].double()) for i in range(0, weight.shape[0], rows)]
+        return _round(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0], x.dtype)
+
+    def einsum(self, equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """A two-operand einsum in a's dtype (the attention, index-score and wo_a products)."""
+        if not self.invariant:
+            return torch.einsum(equation, a, b.to(a.dtype))
+        return _round(torch.einsum(equation, a.double(), b.double()), a.dtype)
+
+    def block_scaled_matmul(self, q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor,
+                            w_scale: torch.Tensor) -> torch.Tensor:
+        """The reference's quantised GEMM (§6.3): fp32 [M, N].
+
+        q [M, K] e4m3 activation values (as floats), q_scale [M, nb]; w [N, K] weight codes' values
+        (e4m3 or e2m1, unscaled), w_scale [N, nb] per output row. Each 32-wide K block is summed on its
+        own, the partial sum scaled by both (power-of-two) scales and added to an fp32 accumulator in
+        K order. Invariant kernels sum a block in float64, where it is exact (its products have at most
+        8 significant bits and a block spans fewer than 2⁴¹ of their units), then round it once.
+        """
+        M, K = q.shape
+        dt = torch.float64 if self.invariant else torch.float32
+        a, b = q.to(dt), w.to(dt)
+        acc = torch.zeros(M, w.shape[0], dtype=torch.float32, device=q.device)
+        for k in range(K // GEMM_BLOCK):
+            cols = slice(k * GEMM_BLOCK, (k + 1) * GEMM_BLOCK)
+            partial = torch.mm(a[:, cols], b[:, cols].t()).float()
+            acc += partial * q_scale[:, k:k + 1] * w_scale[:, k].unsqueeze(0)
+        return acc
+
+
+def _round(x64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 → fp32 (one rounding) → dtype: bf16 results round from fp32, as an fp32 accumulator's do."""
+    return x64.float().to(dtype)
+
+
+REFERENCE = Numerics("reference", "invariant")
+FAST = Numerics("fast", "blas")
