@@ -108,14 +108,14 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, si
         z = numerics.einsum("bthd,btnd->bthn", qf, kv)
         z = z.masked_fill(~(part >= 0).unsqueeze(2), float("-inf")) * scale
         m_new = torch.maximum(m, z.amax(dim=-1, keepdim=True))
-        rescale = torch.exp(m - m_new)
-        p = torch.exp(z - m_new)
+        rescale = numerics.exp(m - m_new)
+        p = numerics.exp(z - m_new)
         denom = denom * rescale + p.sum(dim=-1, keepdim=True)
         if numerics.round_probabilities:
             p = p.to(torch.bfloat16).float()
         out = out * rescale + numerics.einsum("bthn,btnd->bthd", p, kv)
         m = m_new
-    denom = denom + torch.exp(sink.float().view(1, 1, -1, 1) - m)
+    denom = denom + numerics.exp(sink.float().view(1, 1, -1, 1) - m)
     return (out / denom).to(q.dtype)
 
 

@@ -49,6 +49,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="released-layout checkpoint directory (default: the built-in demo, random weights)")
     g.add_argument("--numerics", choices=("reference", "fast"), default="reference",
                    help="reference: the release's fp8/fp4 numerics; fast: dequantised weights (default: reference)")
+    g.add_argument("--kernels", choices=("invariant", "blas"), default=None,
+                   help="invariant: exact-sum matmuls, so a position gives the same bits however calls are "
+                        "shaped (speculative greedy = greedy, batch = solo); blas: the BLAS at each call's "
+                        "shape, faster, results move in the last bit with it (default: invariant with "
+                        "--numerics reference, blas with fast)")
     g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="activation dtype; float32 needs --numerics fast (default: bfloat16)")
@@ -93,6 +98,8 @@ def _generate_parser(sub) -> None:
     p.set_defaults(raw=False)
     p.add_argument("--stop", action="append", default=[], metavar="S", help="stop string (repeatable)")
     p.add_argument("--stop-id", action="append", default=[], type=int, metavar="ID", help="stop token id (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past EOS (fixed-length runs, benchmarks)")
     p.add_argument("--speculative", action="store_true",
                    help="draft with the DSpark stages and verify (lossless; one prompt; no streaming or stop "
                         "strings); prints the acceptance figures")
@@ -168,7 +175,7 @@ def _device(args) -> str:
 def load_model(path: Path, args, batch_size: int):
     device = _device(args)
     runtime = RuntimeConfig(max_batch_size=batch_size, max_seq_len=args.max_context, device=device,
-                            dtype=args.dtype, numerics=args.numerics)
+                            dtype=args.dtype, numerics=args.numerics, kernels=args.kernels)
     return load(path, runtime, device=device, engram_on_disk=args.engram_on_disk)
 
 
@@ -177,7 +184,7 @@ def generation_config(args, stop_strings=(), stop_ids=()):
                               min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                             stop_strings=tuple(stop_strings), stop_token_ids=tuple(stop_ids),
-                            max_context=args.max_context)
+                            max_context=args.max_context, ignore_eos=getattr(args, "ignore_eos", False))
 
 
 # ------------------------------------------------------------------------------------ generate
@@ -262,7 +269,8 @@ def _speculative(model, tokenizer, prompts, config) -> int:
     if len(prompts) != 1:
         raise CliError("--speculative takes one prompt")
     result = speculative_generate(model, prompts[0], config.max_new_tokens, params=config.sampling,
-                                  seed=config.seed, eos_id=tokenizer.eos_id, max_seq_len=config.max_context)
+                                  seed=config.seed, eos_id=None if config.ignore_eos else tokenizer.eos_id,
+                                  max_seq_len=config.max_context)
     print(tokenizer.decode(result.token_ids), flush=True)
     st = result.stats
     rate = len(result.token_ids) / result.seconds if result.seconds > 0 else 0.0

@@ -23,7 +23,7 @@ class Compressor(nn.Module):
     def __init__(self, dim: int, head_dim: int, ratio: int, norm_eps: float, *, numerics: Numerics, device=None,
                  dtype=torch.bfloat16):
         super().__init__()
-        self.ratio = ratio
+        self.ratio, self.numerics = ratio, numerics
         # r > 1 pools in fp32, so its weights are held in fp32 (CHECKPOINT.md §3.3).
         storage = "fp32" if ratio > 1 else "bf16"
         kw = dict(numerics=numerics, device=device, dtype=dtype, stored_as="bf16")
@@ -53,6 +53,6 @@ class Compressor(nn.Module):
             state.tail_kv[:, :rest] = kv[:, n * r:]
             state.tail_score[:, :rest] = score[:, n * r:]
         kv = kv[:, :n * r].unflatten(1, (n, r))                     # [B, n, r, Dh]
-        weights = score[:, :n * r].unflatten(1, (n, r)).softmax(dim=2)
+        weights = self.numerics.softmax(score[:, :n * r].unflatten(1, (n, r)), dim=2)
         pooled = (kv * weights).sum(dim=2)
         return self.norm(pooled.to(x.dtype)), start_pos // r

@@ -14,10 +14,10 @@ import torch
 from .numerics import Numerics
 
 
-def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+def sinkhorn(c: torch.Tensor, iters: int, eps: float, numerics: Numerics) -> torch.Tensor:
     """c [..., S, S] logits → near doubly stochastic; row softmax first, ends on a column step (§7.4)."""
     # the row softmax written out as exp / sum, as the reference kernel computes it (same rounding)
-    c = torch.exp(c - c.amax(dim=-1, keepdim=True))
+    c = numerics.exp(c - c.amax(dim=-1, keepdim=True))
     c = c / c.sum(dim=-1, keepdim=True) + eps
     c = c / (c.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
@@ -27,13 +27,13 @@ def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 def split_mixes(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, streams: int, iters: int,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                eps: float, numerics: Numerics) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """m [..., M] → pre [..., S], post [..., S], comb [..., S, S] (§7.3)."""
     s = streams
-    pre = torch.sigmoid(m[..., :s] * scale[0] + base[:s]) + eps
-    post = 2 * torch.sigmoid(m[..., s:2 * s] * scale[1] + base[s:2 * s])
+    pre = numerics.sigmoid(m[..., :s] * scale[0] + base[:s]) + eps
+    post = 2 * numerics.sigmoid(m[..., s:2 * s] * scale[1] + base[s:2 * s])
     comb = (m[..., 2 * s:] * scale[2] + base[2 * s:]).unflatten(-1, (s, s))
-    return pre, post, sinkhorn(comb, iters, eps)
+    return pre, post, sinkhorn(comb, iters, eps, numerics)
 
 
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -63,4 +63,4 @@ def mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Te
     """
     flat = x.flatten(2).float()
     m = numerics.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    return split_mixes(m, scale, base, x.shape[2], iters, hc_eps)
+    return split_mixes(m, scale, base, x.shape[2], iters, hc_eps, numerics)

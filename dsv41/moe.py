@@ -32,7 +32,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int, 
           numerics: Numerics, gate_temp: float = 1.0, bias_vl: torch.Tensor | None = None,
           image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, D] → (weights [n, A] fp32, expert ids [n, A]); bias (or bias_vl on image tokens) only selects."""
-    scores = F.softplus(numerics.linear(x.float(), weight.float()) / gate_temp).sqrt()   # [n, E]
+    scores = numerics.softplus(numerics.linear(x.float(), weight.float()) / gate_temp).sqrt()   # [n, E]
     select_bias = bias
     if bias_vl is not None and image_mask is not None:
         select_bias = torch.where(image_mask.unsqueeze(-1), bias_vl, bias)
@@ -43,13 +43,13 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int, 
     return weights * route_scale, ids
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, numerics: Numerics) -> torch.Tensor:
     """silu(min(g, limit)) · clamp(u, ±limit) in fp32; the gate is clamped from above only (trap 17)."""
     gate, up = gate.float(), up.float()
     if limit > 0:
         up = up.clamp(-limit, limit)
         gate = gate.clamp(max=limit)
-    return F.silu(gate) * up
+    return numerics.silu(gate) * up
 
 
 class Expert(nn.Module):
@@ -62,10 +62,10 @@ class Expert(nn.Module):
         self.w1 = Linear(dim, inter_dim, storage, **kw)
         self.w2 = Linear(inter_dim, dim, storage, **kw)
         self.w3 = Linear(dim, inter_dim, storage, **kw)
-        self.swiglu_limit = swiglu_limit
+        self.swiglu_limit, self.numerics = swiglu_limit, numerics
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.swiglu_limit).to(x.dtype))
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.swiglu_limit, self.numerics).to(x.dtype))
 
 
 class StackedWeight(nn.Module):
@@ -141,7 +141,7 @@ class RoutedExperts(nn.Module):
 
     def _finish(self, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # the routing weight multiplies before w2, so it passes through w2's activation QDQ (trap 17)
-        return (swiglu(gate, up, self.swiglu_limit) * w.unsqueeze(-1)).to(dtype)
+        return (swiglu(gate, up, self.swiglu_limit, self.numerics) * w.unsqueeze(-1)).to(dtype)
 
     def _per_expert(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Pairs sorted by expert → outputs [P, D]: each expert with rows runs once over all of them."""

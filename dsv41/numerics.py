@@ -12,8 +12,11 @@ One frozen object, built from the runtime config and passed to every module (STY
     operands of the model's matmuls are bf16 values or quantised values, whose products are exact in
     float64 and whose sums are exact or within 2⁻⁵³ of it, so the result does not depend on the order in
     which a library sums, and thus not on how many rows the call has: a position gives the same bits in
-    a prefill, a chunk, a decode step, a verify pass or a batch (docs/NUMERICS.md). Attention lists have
-    one canonical layout per query position (see `attention.py`).
+    a prefill, a chunk, a decode step, a verify pass or a batch. Transcendental functions (exp,
+    sigmoid, silu, softplus) are evaluated in float64 too: the CPU kernels compute the tail of a tensor
+    that does not fill a SIMD vector with scalar code that differs in the last bit, so an element's fp32
+    result depended on the tensor's size. Attention lists have one canonical layout per query position
+    (`attention.py`).
   - "blas": each call's matmuls go to the BLAS at the call's shape, the way the public reference runs
     them. Faster, and with reference numerics bit-identical to the reference's CPU port on the calls the
     reference supports; but the BLAS sums a 1-row call in another order than a 6-row one, so results
@@ -89,7 +92,26 @@ class Numerics:
         """Point #4: indexer queries and keys, fp4 in blocks of 32 with ue8m0 scales."""
         return formats.fp4_qdq_e8m0(x, 32) if self.quantized else x
 
-    # ------------------------------------------------------------------------------ kernels
+    # ------------------------------------------------------------------------------ elementwise
+    def exp(self, x: torch.Tensor) -> torch.Tensor:
+        return self._elementwise(torch.exp, x)
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return self._elementwise(torch.sigmoid, x)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return self._elementwise(F.silu, x)
+
+    def softplus(self, x: torch.Tensor) -> torch.Tensor:
+        return self._elementwise(F.softplus, x)
+
+    def softmax(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return self._elementwise(lambda t: t.softmax(dim=dim), x)
+
+    def _elementwise(self, fn, x: torch.Tensor) -> torch.Tensor:
+        return fn(x.double()).to(x.dtype) if self.invariant else fn(x)
+
+    # ------------------------------------------------------------------------------ products
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ weight [N, K]ᵀ in x's dtype (fp32 or bf16 operands of one dtype)."""
         if not self.invariant:

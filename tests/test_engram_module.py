@@ -38,7 +38,7 @@ def check_gate(B, T, S, D, gen, dim_root=None):
     w = torch.randn(S, D, generator=gen).abs() + 0.5
     x[0, 0, 1] = x[0, 0, 1] * 1e-12  # tiny stream: eps 1e-20 must not swamp its rms
     key[-1, -1, 0] = 0.0  # zero key: a = +0
-    got = stream_gate(x, key, w, EPS)
+    got = stream_gate(x, key, w, EPS, REFERENCE)
     assert got.shape == (B, T, S) and got.dtype == torch.float32
     for b in range(B):
         for t in range(T):
@@ -64,7 +64,7 @@ def test_gate_clamp_and_sign():
     x = torch.ones(1, 1, 2, 32)
     key = torch.ones(1, 1, 2, 32)
     w = torch.tensor([[1e-9] * 32, [-1e-9] * 32])  # |a| = 1e-9 < 1e-6: clamped, sign kept
-    got = stream_gate(x, key, w, EPS)[0, 0]
+    got = stream_gate(x, key, w, EPS, REFERENCE)[0, 0]
     assert got[0].item() == pytest.approx(1 / (1 + math.exp(-1e-3)), rel=1e-6)
     assert got[1].item() == pytest.approx(1 / (1 + math.exp(1e-3)), rel=1e-6)
 

@@ -135,7 +135,7 @@ def sinkhorn_loop(c, iters, eps):
 def test_sinkhorn_matches_the_loop():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 4, 4, generator=g, dtype=torch.float64) * 3
-    got = hyper.sinkhorn(logits, 20, 1e-6)
+    got = hyper.sinkhorn(logits, 20, 1e-6, FAST)
     for b in range(5):
         expect = torch.tensor(sinkhorn_loop(logits[b].tolist(), 20, 1e-6), dtype=torch.float64)
         torch.testing.assert_close(got[b], expect, rtol=1e-12, atol=1e-14)
@@ -145,7 +145,7 @@ def test_sinkhorn_ends_on_a_column_step():
     # with 1 iteration the result is exactly softmax + eps then one column normalisation
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(4, 4, generator=g, dtype=torch.float64)
-    got = hyper.sinkhorn(logits, 1, 1e-6)
+    got = hyper.sinkhorn(logits, 1, 1e-6, FAST)
     expect = torch.tensor(sinkhorn_loop(logits.tolist(), 1, 1e-6), dtype=torch.float64)
     torch.testing.assert_close(got, expect, rtol=1e-12, atol=1e-14)
     # columns then sum to 1 up to eps while rows need not
@@ -155,7 +155,7 @@ def test_sinkhorn_ends_on_a_column_step():
 def test_sinkhorn_is_doubly_stochastic_for_random_logits():
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(256, 4, 4, generator=g) * 0.5
-    c = hyper.sinkhorn(logits, 20, 1e-6)
+    c = hyper.sinkhorn(logits, 20, 1e-6, FAST)
     assert (c.sum(-1) - 1).abs().max() < 1e-5
     assert (c.sum(-2) - 1).abs().max() < 1e-5
     assert (c > 0).all()
@@ -167,7 +167,7 @@ def test_sinkhorn_peaky_logits_columns_exact_rows_approximate():
     # is the reference's fixed iteration count, reproduced, not an error.
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(256, 4, 4, generator=g) * 4
-    c = hyper.sinkhorn(logits, 20, 1e-6)
+    c = hyper.sinkhorn(logits, 20, 1e-6, FAST)
     assert (c.sum(-2) - 1).abs().max() < 1e-5
     assert (c.sum(-1) - 1).abs().max() < 0.1
 
@@ -180,7 +180,7 @@ def test_split_mixes_pre_post_comb_formulas():
     m = torch.randn(3, 24, generator=g)
     scale = torch.tensor([0.7, 1.3, 0.9])
     base = torch.randn(24, generator=g)
-    pre, post, comb = hyper.split_mixes(m, scale, base, S, 20, 1e-6)
+    pre, post, comb = hyper.split_mixes(m, scale, base, S, 20, 1e-6, FAST)
     for t in range(3):
         for i in range(S):
             sig = 1 / (1 + math.exp(-(m[t, i].item() * 0.7 + base[i].item())))
@@ -202,7 +202,7 @@ def test_mixes_uses_one_rms_over_all_streams():
     pre, post, comb = hyper.mixes(x, fn, scale, base, iters=20, norm_eps=1e-20, hc_eps=1e-6, numerics=FAST)
     flat = x.double().reshape(B, T, S * D)                      # stream-major flattening
     m = (flat @ fn.double().t()) / torch.sqrt(flat.square().mean(-1, keepdim=True) + 1e-20)
-    pre2, post2, comb2 = hyper.split_mixes(m.float(), scale, base, S, 20, 1e-6)
+    pre2, post2, comb2 = hyper.split_mixes(m.float(), scale, base, S, 20, 1e-6, FAST)
     torch.testing.assert_close(pre, pre2, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(post, post2, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(comb, comb2, rtol=1e-4, atol=1e-5)
@@ -230,7 +230,7 @@ def streams():
     R = torch.randn(B, T, S, D, generator=g).to(torch.bfloat16)
     o = torch.randn(B, T, D, generator=g).to(torch.bfloat16)
     post = 2 * torch.rand(B, T, S, generator=g)
-    comb = hyper.sinkhorn(torch.randn(B, T, S, S, generator=g) * 2, 20, 1e-6)
+    comb = hyper.sinkhorn(torch.randn(B, T, S, S, generator=g) * 2, 20, 1e-6, FAST)
     return o, R, post, comb
 
 

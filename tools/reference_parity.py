@@ -6,19 +6,34 @@ runs on the CPU, for example the vendored copy in GitHub tenstorrent/tt-metal
 the GPU kernels):
 
     python tools/reference_parity.py --reference path/to/deepseek_v41
+    python tools/reference_parity.py --reference path/to/deepseek_v41 --record tests/golden
 
-For a few small random-weight configs with DSpark stages (no Engram or vision: those need the
-tokenizer and images), it builds a dsv41 model, copies its weights into the reference model by
-checkpoint name (routed experts unstacked), and compares the last-position logits of a prefill and of
-every following single-token decode step, the only incremental mode the reference has, and the DSpark
-drafts (ids, logits, confidence) of every step. dsv41 runs with `stale_index_keys=True`, the
-reference's behaviour (ARCHITECTURE.md §17 trap 15).
+For small random-weight configs with DSpark stages (no Engram or vision: those need the tokenizer and
+images), it builds a dsv41 model, copies its weights into the reference model by checkpoint name
+(routed experts unstacked), and compares the last-position logits of a prefill and of every following
+single-token decode step — the only incremental mode the reference has — and the DSpark drafts (ids,
+logits, confidence) of every step.
+
+What is compared:
+- dsv41 with `kernels="blas"`, which runs each matmul at the reference's call shapes, must be
+  bit-identical. Where the reference's `torch.topk` picks another member of an exact tie than dsv41's
+  rule (equal scores: lower index first), the reference is run with dsv41's rule and the case reports
+  how many choices that changed, apart from any mismatch: torch leaves tie order to the kernel, and the
+  reference's own prefill and decode disagree there (ARCHITECTURE.md §17 trap 14).
+- both index-key semantics (trap 15): "stale" runs the reference as released against dsv41's
+  `stale_index_keys=True`; "own" makes each reference index source read its own keys, dsv41's default.
+- dsv41's default invariant kernels, for information: how far exact-sum matmuls land from the
+  reference's fp32 BLAS sums (max |Δ logit|, argmax agreement).
+
+`--record DIR` writes the reference's outputs for the cases marked `golden` (own keys) as safetensors
+files the test suite compares against (tests/test_golden.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,23 +43,35 @@ import torch
 from dsv41.config import ModelConfig, RuntimeConfig
 from dsv41.init import init_random_
 from dsv41.model import Transformer
+from dsv41.parity import decode_trace
+from dsv41.topk import ordered_keys
 
 TINY = dict(vocab_size=256, dim=64, moe_inter_dim=32, n_layers=8, n_heads=4, n_routed_experts=4,
             n_shared_experts=1, q_lora_rank=32, head_dim=64, rope_head_dim=16, o_groups=2, o_lora_rank=32,
-            compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1), kv_source_layers=(2, 4), index_source_layers=(2, 4, 6),
+            compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1, 0, 0), kv_source_layers=(2, 4), index_source_layers=(2, 4, 6),
             index_n_heads=2, index_head_dim=32, candidate_source_layer=4, route_scale=1.5, swiglu_limit=10.0,
             original_seq_len=64, rope_factor=4, compress_rope_theta=160000.0, n_mtp_layers=2, dspark_block_size=5,
             dspark_noise_token_id=255, dspark_target_layer_ids=(5, 6, 7), dspark_markov_rank=32,
             dspark_n_routed_experts=4, dspark_n_activated_experts=2)
-TINY["compress_ratios"] = TINY["compress_ratios"] + (0, 0)
+NON_BINDING = dict(n_activated_experts=4, window_size=8, index_topk=128, candidate_topk_blocks=128,
+                   candidate_block_size=2)
+BINDING = dict(n_activated_experts=2, window_size=32, index_topk=48, candidate_topk_blocks=8, candidate_block_size=4)
+# 1024-wide fp8 GEMMs: 32 K blocks, where summing block by block (the reference) and one GEMM over all of K
+# (dsv41 before 2026-12) round differently: the latter differed from the reference in a prefill (seed 1)
+# and from decode step 16 on (seed 0), with every discrete choice non-binding.
+WIDE = dict(dim=1024, moe_inter_dim=512, q_lora_rank=256, head_dim=128, rope_head_dim=32, n_heads=4,
+            o_lora_rank=64, index_head_dim=64, dspark_markov_rank=64)
 CASES = {
     # every discrete choice non-binding: all experts, top-k and candidate blocks wider than the context
-    "non-binding": dict(TINY, n_activated_experts=4, window_size=8, index_topk=128, candidate_topk_blocks=128,
-                        candidate_block_size=2),
-    # every choice binding, and more than 64 indices per query (several softmax blocks)
-    "binding, >64 indices": dict(TINY, n_activated_experts=2, window_size=32, index_topk=48,
-                                 candidate_topk_blocks=8, candidate_block_size=4),
+    "non-binding": dict(config=dict(TINY, **NON_BINDING), golden=True),
+    # every choice binding (ties among the summed ReLUs), and more than 64 indices per query
+    "binding, >64 indices": dict(config=dict(TINY, **BINDING)),
+    # wide fp8 GEMMs (blockwise accumulation)
+    "wide fp8 GEMMs": dict(config=dict(TINY, **NON_BINDING, **WIDE), tokens=60, prefill=30),
+    # bf16 checkpoint: dense Linears and routed experts in bf16 (expert_dtype null follows dtype)
+    "bf16 dense + experts": dict(config=dict(TINY, **NON_BINDING, dtype="bf16", expert_dtype=None), golden=True),
 }
+SEMANTICS = ("stale", "own")
 
 
 @contextmanager
@@ -56,6 +83,59 @@ def default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+class TieRule:
+    """Runs the reference's top-k calls with dsv41's tie rule and counts the choices that changed.
+
+    A changed choice must be a tie — both selections hold the same multiset of scores — else it is
+    recorded as a mismatch, which would be a bug in the rule.
+    """
+
+    def __init__(self):
+        self.changed = 0
+        self.mismatched = 0
+
+    @contextmanager
+    def installed(self):
+        original = torch.Tensor.topk
+
+        def topk(tensor, k, dim=-1, largest=True, sorted=True):
+            theirs = original(tensor, k, dim=dim, largest=largest, sorted=sorted)
+            if not largest or dim not in (-1, tensor.dim() - 1):
+                return theirs
+            indices = original(ordered_keys(tensor), k, dim=-1, sorted=sorted).indices
+            mine = tensor.gather(-1, indices)
+            # a choice is the set chosen; the order among equal scores changes nothing downstream
+            rows = (indices.sort(-1).values != theirs.indices.sort(-1).values).any(-1)
+            if rows.any():
+                self.changed += int(rows.sum())
+                same_scores = torch.equal(mine.sort(-1).values[rows], theirs.values.sort(-1).values[rows])
+                self.mismatched += 0 if same_scores else int(rows.sum())
+            return torch.return_types.topk((mine, indices))
+
+        torch.Tensor.topk = topk
+        try:
+            yield
+        finally:
+            torch.Tensor.topk = original
+
+
+@contextmanager
+def own_index_keys(module):
+    """Make every reference index source that owns keys score against its own key cache (trap 15)."""
+    original = module.Indexer.forward
+
+    def forward(self, *args, **kwargs):
+        if self.owns_k:
+            module.shared_attn.index_k = self.k_cache
+        return original(self, *args, **kwargs)
+
+    module.Indexer.forward = forward
+    try:
+        yield
+    finally:
+        module.Indexer.forward = original
 
 
 def import_reference(folder: Path):
@@ -95,45 +175,22 @@ def copy_weights(ours: Transformer, ref: torch.nn.Module) -> None:
         raise ValueError(f"reference parameters dsv41 did not fill: {missing[:5]}")
 
 
-def compare(module, cfg: ModelConfig, seed: int, tokens: int, prefill: int) -> dict[str, float | bool]:
-    max_seq = 2 * tokens
-    ours = init_random_(Transformer(cfg, RuntimeConfig(max_seq_len=max_seq, kernels="blas", stale_index_keys=True)), seed)
+def build_ours(cfg: ModelConfig, seed: int, max_seq: int, kernels: str, semantics: str) -> Transformer:
+    runtime = RuntimeConfig(max_seq_len=max_seq, kernels=kernels, stale_index_keys=semantics == "stale")
+    return init_random_(Transformer(cfg, runtime), seed)
+
+
+def case_ids(cfg: ModelConfig, seed: int, tokens: int) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(seed + 1))
+
+
+def run_reference(module, ours: Transformer, ids, prefill, semantics: str, ties: TieRule):
     with default_dtype(torch.bfloat16):
-        ref = module.Transformer(reference_args(module, cfg, max_seq))
+        ref = module.Transformer(reference_args(module, ours.cfg, ours.runtime.max_seq_len))
     copy_weights(ours, ref)
-    ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(seed + 1))
-    mine, theirs = _run_ours(ours, ids, prefill, max_seq), _run_reference(ref, ids, prefill)
-    a, b = torch.stack(mine["logits"], 1), torch.stack(theirs["logits"], 1).float()
-    result = {"max_diff": (a - b).abs().max().item(), "argmax": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
-              "exact": torch.equal(a, b)}
-    drafts = [torch.equal(x, y) for key in ("draft_ids", "draft_logits", "confidence")
-              for x, y in zip(mine[key], theirs[key])]
-    result["drafts_exact"] = all(drafts) if drafts else None
-    return result
-
-
-def _run_ours(model, ids, prefill, max_seq):
-    cache = model.new_cache(1, max_seq)
-    out = model(ids[:, :prefill], 0, cache)
-    seen = {"logits": [model.logits(out.hidden[:, -1])], "draft_ids": [], "draft_logits": [], "confidence": []}
-    if model.cfg.dspark_enabled:
-        model.dspark_observe(out.dspark_hidden, 0, cache)
-    for p in range(prefill, ids.shape[1]):
-        out = model(ids[:, p:p + 1], p, cache)
-        logits = model.logits(out.hidden[:, -1])
-        seen["logits"].append(logits)
-        if model.cfg.dspark_enabled:
-            model.dspark_observe(out.dspark_hidden, p, cache)
-            d = model.dspark_draft(logits.argmax(-1), p, cache)
-            seen["draft_ids"].append(d.ids)
-            seen["draft_logits"].append(d.logits)
-            seen["confidence"].append(d.confidence)
-    return seen
-
-
-def _run_reference(ref, ids, prefill):
     seen = {"logits": [], "draft_ids": [], "draft_logits": [], "confidence": []}
-    with default_dtype(torch.bfloat16):
+    keys = own_index_keys(module) if semantics == "own" else _nothing()
+    with default_dtype(torch.bfloat16), ties.installed(), keys:
         next_ids, logits, hidden = ref(ids[:, :prefill], 0)
         seen["logits"].append(logits)
         if len(ref.mtp):
@@ -145,28 +202,76 @@ def _run_reference(ref, ids, prefill):
                 draft_ids, draft_logits, confidence = ref.forward_spec(next_ids, hidden, p)
                 seen["draft_ids"].append(draft_ids)
                 seen["draft_logits"].append(draft_logits)
-                seen["confidence"].append(confidence)
-    return seen
+                seen["confidence"].append(confidence.float())
+    return {k: [t.float() if t.is_floating_point() else t for t in v] for k, v in seen.items()}
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def compare(mine: dict, theirs: dict) -> dict[str, float | bool | None]:
+    a, b = torch.stack(mine["logits"], 1), torch.stack(theirs["logits"], 1)
+    drafts = [torch.equal(x, y) for key in ("draft_ids", "draft_logits", "confidence")
+              for x, y in zip(mine[key], theirs[key])]
+    return {"max_diff": (a - b).abs().max().item(), "argmax": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
+            "exact": torch.equal(a, b), "drafts_exact": all(drafts) if drafts else None}
+
+
+def record(directory: Path, label: str, cfg: ModelConfig, seed: int, ids, prefill, theirs: dict) -> Path:
+    """One golden file: the config, the tokens and the reference's outputs (own index keys)."""
+    from safetensors.torch import save_file
+
+    tensors = {"ids": ids.contiguous(), "logits": torch.cat(theirs["logits"]).contiguous()}
+    if theirs["draft_ids"]:
+        tensors["draft_ids"] = torch.cat(theirs["draft_ids"]).contiguous()
+        tensors["draft_logits"] = torch.cat(theirs["draft_logits"]).contiguous()
+        tensors["confidence"] = torch.cat(theirs["confidence"]).contiguous()
+    meta = {"config": json.dumps(cfg.to_dict()), "seed": str(seed), "prefill": str(prefill), "case": label}
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{label.split(',')[0].replace(' ', '-').replace('+', 'and')}-seed{seed}.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    return path
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference", type=Path, required=True, help="the reference's inference folder")
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--tokens", type=int, default=100, help="positions per case (prefill + decode)")
     parser.add_argument("--prefill", type=int, default=60)
+    parser.add_argument("--cases", nargs="*", default=list(CASES), help=f"cases to run (default: all of {list(CASES)})")
+    parser.add_argument("--record", type=Path, metavar="DIR", help="write golden files of the golden cases here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     module = import_reference(args.reference)
-    print(f"{'case':<24} {'seed':>4} {'max |Δ logit|':>14} {'argmax agree':>13} {'bit-identical':>14} "
-          f"{'DSpark drafts identical':>24}")
-    for label, values in CASES.items():
-        cfg = ModelConfig(**values)
-        for seed in range(args.seeds):
-            r = compare(module, cfg, seed, args.tokens, args.prefill)
-            print(f"{label:<24} {seed:>4} {r['max_diff']:>14.3g} {r['argmax']:>13.3f} {str(r['exact']):>14} "
-                  f"{str(r['drafts_exact']):>24}")
-    return 0
+    header = (f"{'case':<22} {'keys':<5} {'seed':>4} {'bit-identical':>13} {'drafts':>6} {'ties':>5} "
+              f"{'invariant max|Δ|':>16} {'argmax':>7}")
+    print(header)
+    failures = 0
+    for label in args.cases:
+        case = CASES[label]
+        cfg = ModelConfig(**case["config"])
+        tokens, prefill = case.get("tokens", args.tokens), case.get("prefill", args.prefill)
+        for semantics in SEMANTICS:
+            for seed in range(args.seeds):
+                ids = case_ids(cfg, seed, tokens)
+                blas = build_ours(cfg, seed, 2 * tokens, "blas", semantics)
+                ties = TieRule()
+                theirs = run_reference(module, blas, ids, prefill, semantics, ties)
+                exact = compare(decode_trace(blas, ids, prefill), theirs)
+                invariant = compare(decode_trace(build_ours(cfg, seed, 2 * tokens, "invariant", semantics), ids, prefill),
+                                    theirs)
+                ok = exact["exact"] and exact["drafts_exact"] is not False and ties.mismatched == 0
+                failures += not ok
+                print(f"{label:<22} {semantics:<5} {seed:>4} {str(exact['exact']):>13} "
+                      f"{str(exact['drafts_exact']):>6} {ties.changed:>5} {invariant['max_diff']:>16.3g} "
+                      f"{invariant['argmax']:>7.3f}" + ("" if ties.mismatched == 0 else f"  NOT A TIE: {ties.mismatched}"))
+                if args.record and case.get("golden") and semantics == "own":
+                    print(f"  recorded {record(args.record, label, cfg, seed, ids, prefill, theirs)}")
+    print("every case bit-identical" if not failures else f"{failures} case(s) differ")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

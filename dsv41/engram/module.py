@@ -21,7 +21,8 @@ from .table import EngramTable
 GATE_SQRT_FLOOR = 1e-6  # |a| is clamped to this before the signed square root (§9 step 5)
 
 
-def stream_gate(x: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def stream_gate(x: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: float,
+                numerics: Numerics) -> torch.Tensor:
     """fp32 x, key [B, T, S, D] and weight [S, D] -> gate [B, T, S] (§9 steps 4-5, trap 18).
 
     Normalised per stream over D, not jointly over the streams; rms(v) = sqrt(mean(v²) + eps)."""
@@ -30,7 +31,7 @@ def stream_gate(x: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: f
     a = (x * weight * key).sum(-1) * inv_norms * dim**-0.5  # [B, T, S]
     # Signed sqrt with the IEEE sign bit (copysign): a = +0 gives sigmoid(+0.001), not 0.5.
     magnitude = a.abs().clamp_min(GATE_SQRT_FLOOR).sqrt()
-    return torch.sigmoid(torch.copysign(magnitude, a))
+    return numerics.sigmoid(torch.copysign(magnitude, a))
 
 
 class Engram(nn.Module):
@@ -38,7 +39,7 @@ class Engram(nn.Module):
 
     def __init__(self, cfg, engram_index: int, numerics: Numerics, *, device=None):
         super().__init__()
-        self.layer_id = cfg.engram_layer_ids[engram_index]
+        self.layer_id, self.numerics = cfg.engram_layer_ids[engram_index], numerics
         self.streams, self.dim, self.eps = cfg.hc_mult, cfg.dim, cfg.norm_eps  # eps 1e-20 (§6.7, trap 3)
         self.n_columns, self.head_dim = cfg.engram_hash_columns, cfg.engram_head_dim
         self.embed = EngramTable(cfg.engram_num_embeddings[engram_index], self.head_dim, device=device)
@@ -67,7 +68,7 @@ class Engram(nn.Module):
         value = kv[..., S * D:].float()  # [B, T, D], shared by every stream
         weight = self.q_weight.float() * self.k_weight.float()  # [S, D]
         h = x.float()
-        gate = stream_gate(h, key, weight, self.eps)  # [B, T, S]
+        gate = stream_gate(h, key, weight, self.eps, self.numerics)  # [B, T, S]
         if text_mask is not None:
             gate = gate.masked_fill(~text_mask.to(device=gate.device, dtype=torch.bool)[..., None], 0.0)  # §9 step 6
         return (h + gate[..., None] * value[:, :, None, :]).to(x.dtype)  # §9 step 7, fp32 add
