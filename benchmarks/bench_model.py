@@ -1,12 +1,14 @@
-"""Whole-model throughput of a small V4.1-shaped config in both numerics modes.
+"""Whole-model throughput of a small V4.1-shaped config in both numerics modes and both kernel choices.
 
 Run from the repository root: python -m benchmarks.bench_model [--threads N] [--prefill T] [--decode N]
 
 The config has every layer role of the release in 8 layers (window, ratio-2 kv source + consumer, ratio-1
 kv/candidate source + consumer, index-only candidate user + consumer) at dim 256, vocab 4096 and top-2 of
-8 experts. "reference" keeps fp8/fp4 weights quantised and dequantises them on every call (bf16 with the
-release's rounding points); "fast" holds dequantised float32 weights. Prefill is one call of T positions
-from 0 (best of 3); decode is N further 1-token calls on the same cache (median per token).
+8 experts. "reference" keeps fp8/fp4 weights quantised and runs the reference's blockwise GEMMs (bf16 with
+the release's rounding points); "fast" holds dequantised float32 weights. Kernels: "invariant" reduces
+every matmul and transcendental in float64 (call-shape independent bits), "blas" uses the BLAS at the
+call's shape (numerics.py). Prefill is one call of T positions from 0 (best of 3); decode is N further
+1-token calls on the same cache (median per token).
 
 One intra-op thread by default: the kernels are small, and on a shared 2-core machine two threads
 measured 3-20x slower than one (thread hand-off while other processes hold a core). The load average is
@@ -51,10 +53,11 @@ def _released() -> Path:
 
 
 @torch.no_grad()
-def measure(numerics: str, prefill: int, decode: int) -> tuple[float, float]:
+def measure(numerics: str, kernels: str, prefill: int, decode: int) -> tuple[float, float]:
     dtype = "float32" if numerics == "fast" else "bfloat16"
     max_len = prefill + decode
-    model = init_random_(Transformer(config(), RuntimeConfig(max_seq_len=max_len, numerics=numerics, dtype=dtype)), 0)
+    runtime = RuntimeConfig(max_seq_len=max_len, numerics=numerics, dtype=dtype, kernels=kernels)
+    model = init_random_(Transformer(config(), runtime), 0)
     ids = torch.randint(0, 4096, (1, max_len), generator=torch.Generator().manual_seed(1))
     model(ids[:, :8], 0, model.new_cache(1, max_len))                        # warm-up
     prefill_s = float("inf")
@@ -83,12 +86,13 @@ def main() -> None:
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load}; dim 256, 8 layers, vocab 4096, "
           f"top-2 of 8 experts; prefill {args.prefill} tokens, decode {args.decode} steps")
-    rows = {mode: measure(mode, args.prefill, args.decode) for mode in ("reference", "fast")}
-    print(f"{'numerics':<10} {'prefill tok/s':>14} {'decode ms/tok':>14}")
-    for mode, (tps, ms) in rows.items():
-        print(f"{mode:<10} {tps:>14.1f} {ms:>14.2f}")
-    (rt, rm), (ft, fm) = rows["reference"], rows["fast"]
-    print(f"{'fast/ref':<10} {ft / rt:>13.2f}x {rm / fm:>13.2f}x  (speed-up)")
+    combos = [("reference", "invariant"), ("reference", "blas"), ("fast", "blas"), ("fast", "invariant")]
+    rows = {c: measure(*c, args.prefill, args.decode) for c in combos}
+    base_tps, base_ms = rows[combos[0]]
+    print(f"{'numerics':<10} {'kernels':<10} {'prefill tok/s':>14} {'decode ms/tok':>14} {'vs reference/invariant':>24}")
+    for (mode, kernels), (tps, ms) in rows.items():
+        print(f"{mode:<10} {kernels:<10} {tps:>14.1f} {ms:>14.2f}   prefill {tps / base_tps:5.2f}x, decode "
+              f"{base_ms / ms:5.2f}x")
 
 
 if __name__ == "__main__":

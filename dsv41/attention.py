@@ -64,7 +64,8 @@ def window_indices(start_pos: int, length: int, window: int, device=None, *,
     entries, oldest first, −1 for positions before 0 — the layout of the reference's decode step. The
     order matters because the blockwise softmax rounds per block of 64 entries (§11.7): with
     `reference_layout` a call from position 0 lists min(T, W) entries, valid ones first, as the
-    reference's prefill does, which gives other bits than its decode for the same position.
+    reference's prefill does, which gives other bits than its decode for the same position
+    (docs/NUMERICS.md N3).
     """
     p = torch.arange(start_pos, start_pos + length, device=device).unsqueeze(1)
     if reference_layout and start_pos == 0:
@@ -91,7 +92,8 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, si
     kernels) the list is walked in blocks with an online softmax; reference numerics round the
     probabilities to bf16 against the running maximum before P·V, the denominator keeping fp32, as the
     reference kernel does. Invariant kernels pad the list with −1 to whole blocks: every block then has
-    one length, and a block of −1 changes nothing, so a query's result depends only on its own entries.
+    one length, and a block of −1 changes nothing, so a query's result depends only on its own entries
+    (docs/NUMERICS.md N6).
     Without a block it is one exact fp32 softmax over the whole list.
     """
     B, T, H, _ = q.shape
@@ -138,7 +140,7 @@ class Attention(nn.Module):
         # wo_a is used in a grouped einsum, not a quantised GEMM: held in bf16 (§6.2).
         self.wo_a = Linear(cfg.group_width, cfg.o_groups * cfg.o_lora_rank, "bf16", stored_as=dense, **kw)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dense, **kw)
-        self.rotary = Rotary.for_layer(cfg, role.ratio)
+        self.rotary = Rotary.for_layer(cfg, role.uses_compressed_rope)
         self.compressor = (Compressor(cfg.dim, cfg.head_dim, role.ratio, cfg.norm_eps, **kw)
                            if role.is_kv_source else None)
         self.indexer = (Indexer(cfg.dim, cfg.q_lora_rank, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim,

@@ -131,12 +131,14 @@ def observe(stages: nn.ModuleList, dspark_hidden: torch.Tensor, start_pos: int, 
 
 def draft(stages: nn.ModuleList, embed: Embedding, head: Head, cfg: ModelConfig, token: torch.Tensor,
           last_pos: int, cache: ModelCache,
-          choose: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Draft:
-    """Propose Bs tokens after `token` [B] (the token for position last_pos + 1), given the rings."""
+          choose: Callable[[torch.Tensor], torch.Tensor] | None = None, *,
+          dtype: torch.dtype = torch.bfloat16) -> Draft:
+    """Propose Bs tokens after `token` [B] (the token for position last_pos + 1), given the rings;
+    `dtype` is the model's compute dtype."""
     B, Bs = token.shape[0], cfg.dspark_block_size
     ids = token.new_full((B, Bs), cfg.dspark_noise_token_id)
     ids[:, 0] = token
-    x = embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)                           # [B, Bs, S, D]
+    x = embed(ids).to(dtype).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)                 # [B, Bs, S, D]
     pre = hyper.identity_pre(B, Bs, cfg.hc_mult, device=token.device)
     step = DraftStep(last_pos=last_pos, length=Bs)
     for stage in stages:

@@ -55,7 +55,8 @@ def init_linear(m: Linear, gen: torch.Generator, std: float | None = None) -> No
 
 def init_stacked(m: StackedWeight, gen: torch.Generator) -> None:
     for e in range(m.weight.shape[0]):
-        w = _normal((m.out_features, m.in_features), m.in_features ** -0.5, gen)
+        # rounded through the stored format first, so a fast-numerics model saves and reloads exactly
+        w = representable(_normal((m.out_features, m.in_features), m.in_features ** -0.5, gen), m.storage)
         if m.scale is None:
             m.weight.data[e].copy_(w.to(m.weight.dtype))
         else:

@@ -74,7 +74,8 @@ def block_operands(weight: torch.Tensor, scale: torch.Tensor, storage: str, out_
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str,
                      out_features: int, numerics: Numerics) -> torch.Tensor:
-    """§6.3: fp8 activation quantisation per 32, the blockwise GEMM, bf16 out; x [..., in]."""
+    """§6.3: fp8 activation quantisation per 32, the blockwise GEMM (not one GEMM over the dequantised
+    weight, which rounds differently: docs/NUMERICS.md N5), bf16 out; x [..., in]."""
     q, q_scale = formats.fp8_act_quant(x.float())
     values, w_scale = block_operands(weight, scale, storage, out_features)
     flat = q.float().reshape(-1, q.shape[-1])

@@ -100,7 +100,9 @@ class Transformer(nn.Module):
                             positions=torch.arange(start_pos, start_pos + T, device=ids.device),
                             reference_layout=not self.numerics.invariant,
                             stale_index_keys=self.runtime.stale_index_keys)
-        x = self.embed(ids).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)           # [B, T, S, D]
+        # the stream in the compute dtype from the start (bf16 table values are exact in fp32), so that
+        # fast float32 does not round layer 0's attention input to bf16
+        x = self.embed(ids).to(self.dtype).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)   # [B, T, S, D]
         pre = hyper.identity_pre(B, T, self.cfg.hc_mult, device=ids.device)
         targets = []
         for block in self.layers:
@@ -125,7 +127,7 @@ class Transformer(nn.Module):
         logits [B, V] to token ids (greedy by default).
         """
         self._need_dspark()
-        return draft(self.mtp, self.embed, self.head, self.cfg, token, last_pos, cache, choose)
+        return draft(self.mtp, self.embed, self.head, self.cfg, token, last_pos, cache, choose, dtype=self.dtype)
 
     def _need_dspark(self) -> None:
         if not self.cfg.dspark_enabled:

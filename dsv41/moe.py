@@ -144,7 +144,8 @@ class RoutedExperts(nn.Module):
         return (swiglu(gate, up, self.swiglu_limit, self.numerics) * w.unsqueeze(-1)).to(dtype)
 
     def _per_expert(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Pairs sorted by expert → outputs [P, D]: each expert with rows runs once over all of them."""
+        """Pairs sorted by expert → outputs [P, D]: each expert with rows runs once over all of them, as
+        the reference's expert loop does (a matmul per pair sums differently: docs/NUMERICS.md N7)."""
         ends = torch.bincount(expert, minlength=self.n_experts).cumsum(0).tolist()
         out = x.new_empty(x.shape[0], self.w2.out_features)
         start = 0

@@ -12,10 +12,10 @@ One frozen object, built from the runtime config and passed to every module (STY
     operands of the model's matmuls are bf16 values or quantised values, whose products are exact in
     float64 and whose sums are exact or within 2⁻⁵³ of it, so the result does not depend on the order in
     which a library sums, and thus not on how many rows the call has: a position gives the same bits in
-    a prefill, a chunk, a decode step, a verify pass or a batch. Transcendental functions (exp,
+    a prefill, a chunk, a decode step, a verify pass or a batch (docs/NUMERICS.md N1). Transcendental functions (exp,
     sigmoid, silu, softplus) are evaluated in float64 too: the CPU kernels compute the tail of a tensor
     that does not fill a SIMD vector with scalar code that differs in the last bit, so an element's fp32
-    result depended on the tensor's size. Attention lists have one canonical layout per query position
+    result depended on the tensor's size (N2). Attention lists have one canonical layout per query position
     (`attention.py`).
   - "blas": each call's matmuls go to the BLAS at the call's shape, the way the public reference runs
     them. Faster, and with reference numerics bit-identical to the reference's CPU port on the calls the

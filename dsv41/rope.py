@@ -44,8 +44,9 @@ class Rotary(nn.Module):
         self.register_buffer("freqs", freqs, persistent=False)
 
     @classmethod
-    def for_layer(cls, cfg: ModelConfig, ratio: int) -> "Rotary":
-        if ratio > 0:
+    def for_layer(cls, cfg: ModelConfig, compressed: bool) -> "Rotary":
+        """The one table of a layer: θ = compress_rope_theta with YaRN for r > 0, else θ = rope_theta."""
+        if compressed:
             freqs = yarn_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.original_seq_len,
                                      cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
         else:

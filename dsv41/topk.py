@@ -8,7 +8,8 @@ ReLUs, so many are exactly 0 (ARCHITECTURE.md §17 trap 14), and a 6-row verify 
 compressed positions than the 1-row decode call at the same position. Here every score is widened to a
 unique int64 key — the score's order-preserving integer image in the high 32 bits, the complement of
 its index in the low 32 — so no two entries tie and any top-k kernel returns the same set. The cost
-is a few elementwise passes and an int64 top-k instead of a float one (benchmarks/bench_topk.py).
+is a few elementwise passes and an int64 top-k instead of a float one (docs/NUMERICS.md N4,
+benchmarks/bench_topk.py).
 """
 
 from __future__ import annotations
@@ -40,3 +41,4 @@ def topk(scores: torch.Tensor, k: int, *, sorted: bool = True) -> tuple[torch.Te
         raise ValueError(f"top-k over {scores.shape[-1]} entries: indices must fit in 32 bits")
     indices = ordered_keys(scores).topk(k, dim=-1, sorted=sorted).indices
     return scores.gather(-1, indices), indices
+

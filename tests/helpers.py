@@ -65,9 +65,9 @@ def without_dspark(cfg: ModelConfig) -> ModelConfig:
 
 
 def build(cfg: ModelConfig, numerics: str = "fast", *, seed: int = 0, stale_index_keys: bool = False,
-          max_seq_len: int = MAX_SEQ) -> Transformer:
+          max_seq_len: int = MAX_SEQ, kernels: str | None = None) -> Transformer:
     dtype = "float32" if numerics == "fast" else "bfloat16"
-    runtime = RuntimeConfig(max_seq_len=max_seq_len, numerics=numerics, dtype=dtype,
+    runtime = RuntimeConfig(max_seq_len=max_seq_len, numerics=numerics, dtype=dtype, kernels=kernels,
                             stale_index_keys=stale_index_keys)
     return init_random_(Transformer(cfg, runtime), seed)
 
@@ -86,6 +86,18 @@ def run_chunks(model: Transformer, ids: torch.Tensor, bounds: list[int]):
         hidden.append(out.hidden)
         dspark.append(out.dspark_hidden)
     return torch.cat(hidden, 1), (torch.cat(dspark, 1) if dspark[0] is not None else None)
+
+
+@torch.no_grad()
+def greedy_tokens(model: Transformer, prompt: list[int], n: int) -> list[int]:
+    """Plain greedy decoding: a prefill of the prompt, then one single-token call per position."""
+    cache = model.new_cache(1, model.runtime.max_seq_len)
+    out = model(torch.tensor([prompt]), 0, cache)
+    tokens = [int(model.logits(out.hidden[:, -1]).argmax())]
+    for i in range(n - 1):
+        out = model(torch.tensor([[tokens[-1]]]), len(prompt) + i, cache)
+        tokens.append(int(model.logits(out.hidden[:, -1]).argmax()))
+    return tokens
 
 
 def rotate_reference(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False):

@@ -352,7 +352,7 @@ def indexer_parts():
     cfg = helpers.nonbinding_config()
     idx = init_random_(Indexer(cfg.dim, cfg.q_lora_rank, cfg.head_dim, 3, 32, 1e-20, owns_keys=True,
                                numerics=FAST, dtype=torch.float32), 5)
-    rotary = Rotary.for_layer(cfg, 1)
+    rotary = Rotary.for_layer(cfg, True)
     g = torch.Generator().manual_seed(16)
     B, T, C = 2, 4, 9
     x = torch.randn(B, T, cfg.dim, generator=g)
@@ -401,7 +401,7 @@ def test_indexer_reference_numerics_quantises_queries():
     cfg = helpers.nonbinding_config()
     idx = init_random_(Indexer(cfg.dim, cfg.q_lora_rank, cfg.head_dim, 2, 32, 1e-20, owns_keys=False,
                                numerics=REF_INVARIANT, dtype=torch.bfloat16), 6)
-    rotary = Rotary.for_layer(cfg, 1)
+    rotary = Rotary.for_layer(cfg, True)
     g = torch.Generator().manual_seed(18)
     x = torch.randn(1, 3, cfg.dim, generator=g).to(torch.bfloat16)
     qr = torch.randn(1, 3, cfg.q_lora_rank, generator=g).to(torch.bfloat16)

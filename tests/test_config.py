@@ -6,6 +6,7 @@ import json
 import pytest
 
 from dsv41.config import ConfigError, ModelConfig, RuntimeConfig
+from dsv41.layers import dense_storage, expert_storage
 
 import helpers
 
@@ -139,6 +140,28 @@ def test_dspark_stages_are_window_only(raw):
     ratios = list(raw["compress_ratios"])
     ratios[41] = 1
     expect_error(broken(raw, compress_ratios=ratios), "compress_ratios", "DSpark")
+
+
+def test_expert_dtype_null_is_accepted(raw):
+    cfg = ModelConfig.from_dict(broken(raw, expert_dtype=None))
+    assert cfg.expert_dtype is None and cfg.to_dict()["expert_dtype"] is None
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+@pytest.mark.parametrize("value,rule", [(4, "must be a string or null"), ("int4", "'fp4', 'fp8', 'bf16' or null")])
+def test_expert_dtype_of_the_wrong_type_or_unknown(raw, value, rule):
+    expect_error(broken(raw, expert_dtype=value), "expert_dtype", rule)
+
+
+@pytest.mark.parametrize("dtype,expert_dtype,experts", [
+    ("fp8", "fp4", "fp4"), ("fp8", "fp8", "fp8"), ("fp8", "bf16", "fp8"), ("fp8", None, "fp8"),
+    ("bf16", "fp4", "fp4"), ("bf16", "fp8", "bf16"), ("bf16", "bf16", "bf16"), ("bf16", None, "bf16"),
+])
+def test_experts_are_fp4_when_expert_dtype_says_so_else_follow_dtype(dtype, expert_dtype, experts):
+    # the reference's reading of the keys (ARCHITECTURE.md §2): only "fp4" makes experts differ from dtype
+    cfg = helpers.nonbinding_config(dtype=dtype, expert_dtype=expert_dtype)
+    assert expert_storage(cfg) == experts
+    assert dense_storage(cfg) == dtype
 
 
 def test_tiny_test_configs_are_valid():

@@ -38,17 +38,29 @@ def test_observing_rows_at_once_equals_one_by_one(fast_model):
         torch.testing.assert_close(whole.window[layer], split.window[layer], rtol=0, atol=1e-5)
 
 
-def test_draft_contract(fast_model):
-    cfg = fast_model.cfg
-    ids = helpers.token_ids(2, 12, seed=5)
-    cache, out = _prefill(fast_model, ids)
-    token = fast_model.logits(out.hidden[:, -1]).argmax(-1)
-    d = fast_model.dspark_draft(token, 11, cache)
-    Bs = cfg.dspark_block_size
-    assert d.ids.shape == (2, Bs + 1) and d.logits.shape == (2, Bs, cfg.vocab_size) and d.confidence.shape == (2, Bs)
-    assert torch.equal(d.ids[:, 0], token)
-    # greedy by default: draft i + 1 is the argmax of row i's logits (Markov bias included)
-    assert torch.equal(d.ids[:, 1:], d.logits.argmax(-1))
+def test_drafts_depend_only_on_the_observed_rows_and_leave_the_cache_alone():
+    """A draft is a function of the token and the main rows observed so far: observed at once after a
+    prefill, or row by row after decode steps, the drafts are bit-identical (reference numerics,
+    invariant kernels); drafting writes nothing; greedy drafts are the argmax chain of their rows."""
+    model = helpers.build(helpers.binding_config(), "reference", seed=3)
+    cfg, ids = model.cfg, helpers.token_ids(2, 20, seed=5)
+    cache, out = _prefill(model, ids)
+    stepped = model.new_cache(2, helpers.MAX_SEQ)
+    for p in range(20):
+        o = model(ids[:, p:p + 1], p, stepped)
+        model.dspark_observe(o.dspark_hidden, p, stepped)
+    token = model.logits(out.hidden[:, -1]).argmax(-1)
+    rings = {k: v.clone() for k, v in cache.window.items()}
+    a, b = model.dspark_draft(token, 19, cache), model.dspark_draft(token, 19, stepped)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.logits, b.logits) and torch.equal(a.confidence, b.confidence)
+    assert all(torch.equal(rings[k], cache.window[k]) for k in rings)
+    assert torch.equal(a.ids[:, 0], token) and torch.equal(a.ids[:, 1:], a.logits.argmax(-1))
+    # the drafts read the rings: observing other rows changes them
+    other = model.new_cache(2, helpers.MAX_SEQ)
+    model(ids, 0, other)
+    model.dspark_observe(model(ids.flip(1), 0, model.new_cache(2, helpers.MAX_SEQ)).dspark_hidden, 0, other)
+    assert not torch.equal(model.dspark_draft(token, 19, other).logits, a.logits)
+    assert a.logits.shape == (2, cfg.dspark_block_size, cfg.vocab_size)
 
 
 def test_markov_bias_and_confidence_follow_the_formula(fast_model):

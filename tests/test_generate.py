@@ -278,12 +278,11 @@ def test_score_prefill_then_decode_agrees_with_full_prefill_fast(fast_model):
     torch.testing.assert_close(stepped.logits, full.logits, atol=1e-4, rtol=0)
 
 
-def test_score_prefill_then_decode_agrees_with_full_prefill_reference(ref_model):
+def test_score_prefill_then_decode_equals_full_prefill_reference(ref_model):
+    """Reference numerics with invariant kernels: bit for bit (tests/test_invariance.py has the why)."""
     seqs = random_prompts((12, 8), seed=12)
     full, stepped = score(ref_model, seqs), score(ref_model, seqs, prefill=3)
-    for i, n in enumerate(full.lengths):
-        assert torch.equal(full.logits[i, :n].argmax(-1), stepped.logits[i, :n].argmax(-1))
-        assert (full.token_logprobs[i] - stepped.token_logprobs[i]).abs().max() < 0.05
+    assert torch.equal(full.logits, stepped.logits) and full.perplexity == stepped.perplexity
 
 
 def test_score_rejects_bad_prefill_and_long_sequences(fast_model):

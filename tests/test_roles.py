@@ -3,6 +3,7 @@ eight groups (seeds/001: window layer, Engram, window layer, pooled group, Engra
 group, re-indexing group) including their parameter counts."""
 
 import pytest
+import torch
 
 from dsv41.config import RuntimeConfig
 from dsv41.model import Transformer
@@ -81,9 +82,20 @@ def test_engram_and_dspark_targets(roles):
     assert [r.layer_id for r in roles if r.is_dspark_target] == [37, 38, 39]
 
 
-def test_rope_table_choice(roles):
-    # every r > 0 layer uses θ = 160000 with YaRN; r = 0 layers (0, 1, DSpark) the base θ (§3, trap 6)
-    assert [r.layer_id for r in roles if not r.uses_compressed_rope] == [0, 1, 40, 41, 42]
+def test_rope_table_choice(released_cfg):
+    """Every r > 0 layer's attention rotates with θ = 160000 and YaRN; r = 0 layers (0, 1 and the DSpark
+    stages) with the base θ and no YaRN (§3, trap 6): read from the modules of the released model."""
+    from dsv41.rope import yarn_frequencies
+
+    c = released_cfg
+    compressed = yarn_frequencies(c.rope_head_dim, c.compress_rope_theta, c.original_seq_len, c.rope_factor,
+                                  c.beta_fast, c.beta_slow)
+    base = yarn_frequencies(c.rope_head_dim, c.rope_theta, 0, 1.0, 0.0, 0.0)
+    model = Transformer(c, RuntimeConfig(max_seq_len=4096), device="meta")
+    layers = list(model.layers) + list(model.mtp)
+    uses_base = [i for i, layer in enumerate(layers) if torch.equal(layer.attn.rotary.freqs, base)]
+    uses_compressed = [i for i, layer in enumerate(layers) if torch.equal(layer.attn.rotary.freqs, compressed)]
+    assert uses_base == [0, 1, 40, 41, 42] and uses_compressed == list(range(2, 40))
 
 
 def test_roles_table_rows(roles):

@@ -34,22 +34,15 @@ def test_greedy_acceptance_is_argmax_agreement():
 
 @pytest.fixture(scope="module")
 def model():
-    return helpers.build(helpers.nonbinding_config(), "fast", seed=2)
+    """Binding choices (top-2 of 4 experts, top-4 positions, 2 candidate blocks) in reference numerics:
+    a verify pass must choose what the decode steps choose (ties included) for greedy equality to hold."""
+    return helpers.build(helpers.binding_config(), "reference", seed=2)
 
-
-def greedy(model, prompt, n):
-    cache = model.new_cache(1, helpers.MAX_SEQ)
-    out = model(torch.tensor([prompt]), 0, cache)
-    tokens = [int(model.logits(out.hidden[:, -1]).argmax())]
-    for i in range(n - 1):
-        out = model(torch.tensor([[tokens[-1]]]), len(prompt) + i, cache)
-        tokens.append(int(model.logits(out.hidden[:, -1]).argmax()))
-    return tokens
 
 
 def test_greedy_speculation_equals_greedy_decoding(model):
     prompt = helpers.token_ids(1, 12, seed=3)[0].tolist()
-    expect = greedy(model, prompt, 30)
+    expect = helpers.greedy_tokens(model, prompt, 30)
     result = speculative_generate(model, prompt, 30)
     assert result.token_ids == expect
     assert result.stats.cycles > 0
@@ -60,7 +53,7 @@ def test_partly_accepted_drafts_roll_the_cache_back(model, monkeypatch):
     accepted per cycle, the third is rejected and its positions rolled back; the output is still
     exactly greedy decoding (with no rollback the ring and pooling tail would hold rejected tokens)."""
     prompt = helpers.token_ids(1, 9, seed=4)[0].tolist()
-    expect = greedy(model, prompt, 40)
+    expect = helpers.greedy_tokens(model, prompt, 40)
     V, Bs = model.cfg.vocab_size, model.cfg.dspark_block_size
 
     def oracle_draft(token, last_pos, cache, choose=None):

@@ -4,8 +4,11 @@ Module state names are the checkpoint's names, with one exception: routed expert
 checkpoint's `…ffn.experts.{e}.w1.weight` is row e of the module's `…ffn.experts.w1.weight`. Every tensor
 is converted from its stored format to the format the module holds, by one rule (`to_module_format`):
 quantised → quantised is a copy, quantised → float dequantises (wo_a to bf16, everything under `fast`
-numerics), float → float casts (ratio-2 compressor and head to fp32). Saving applies the inverse rule
-(`to_stored_format`), which is exact for weights that came from the stored format.
+numerics), float → float casts (ratio-2 compressor and head to fp32). Nothing else converts: a quantised
+weight without its scale, or a stored form other than the one a quantised module holds, is refused before
+any tensor is read (a cast of code values would load garbage). Saving applies the inverse rule
+(`to_stored_format`), which is exact for weights that came from the stored format, and writes only what
+the layout names.
 """
 
 from __future__ import annotations
@@ -37,10 +40,25 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 # -------------------------------------------------------------------------------------- conversions
+# Stored weights that mean nothing without their `.scale` (CHECKPOINT.md §2): fp8 e4m3, packed fp4.
+QUANTIZED_STORED = ("F8_E4M3", "I8")
+_QUANTIZED_HELD = (torch.float8_e4m3fn, torch.int8)
+
+
 def to_module_format(weight: torch.Tensor, scale: torch.Tensor | None, target: torch.Tensor) -> torch.Tensor:
-    """A stored weight (+ its scale) → the dtype the module parameter `target` holds (dequantise or cast)."""
-    if scale is None or target.dtype == weight.dtype:
-        return weight.to(target.dtype) if target.dtype != weight.dtype else weight
+    """A stored weight (+ its scale) → the dtype the module parameter `target` holds (dequantise or cast).
+
+    Casting code values is never a conversion: a quantised weight without its scale, or anything but a
+    copy into a quantised target, is refused (a bf16 weight cast to e4m3 would load garbage silently).
+    """
+    if target.dtype == weight.dtype:
+        return weight
+    if target.dtype in _QUANTIZED_HELD:
+        raise ValueError(f"a {weight.dtype} weight cannot become a quantised {target.dtype} one")
+    if scale is None:
+        if weight.dtype in _QUANTIZED_HELD:
+            raise ValueError(f"a {weight.dtype} weight needs its scale to be dequantised")
+        return weight.to(target.dtype)
     if weight.dtype == torch.int8:
         return formats.dequantize_fp4_weight(weight, scale).to(target.dtype)
     return formats.dequantize_fp8_weight(weight, scale).to(target.dtype)
@@ -99,36 +117,76 @@ def _is_scale_of_quantized(name: str, tensors: dict[str, torch.Tensor]) -> bool:
         ("hc_attn_scale", "hc_ffn_scale"))
 
 
+def _format_problems(ckpt: CheckpointDir, sources: list[str], scales: list[str], target: torch.Tensor,
+                     held_scale: torch.Tensor | None, stacked: bool) -> list[str]:
+    """Why the stored weights cannot become `target` by dequantising, casting or copying ([] if they can).
+
+    `held_scale` is the module's scale when it keeps the weight quantised; then the stored weight must be
+    in that very format, with a scale of the held shape (per expert for stacked experts)."""
+    problems = []
+    for weight, scale in zip(sources, scales or [None] * len(sources)):
+        stored = ckpt.spec(weight)
+        has_scale = scale is not None and scale in ckpt
+        if stored.dtype in QUANTIZED_STORED and not has_scale:
+            problems.append(f"{weight} is {stored.dtype} but its scale {scale} is missing")
+        elif stored.dtype not in QUANTIZED_STORED and has_scale:
+            problems.append(f"{weight} is {stored.dtype}, not quantised, but has a scale {scale}")
+        elif has_scale and ckpt.spec(scale).dtype != "F8_E8M0":
+            problems.append(f"{scale} is {ckpt.spec(scale).dtype}, not F8_E8M0")
+        elif held_scale is not None and torch_dtype(stored.dtype) != target.dtype:
+            problems.append(f"{weight} is {stored.dtype}{'' if has_scale else ' without a scale'}; the model "
+                            f"holds it quantised as {target.dtype} + scale")
+        elif held_scale is not None:
+            rows = 1 if stacked else 0                           # one expert's part of the stack
+            want = {weight: tuple(target.shape[rows:]), scale: tuple(held_scale.shape[rows:])}
+            problems += [f"{n} is {ckpt.spec(n).shape}, the model holds {shape}" for n, shape in want.items()
+                         if ckpt.spec(n).shape != shape]
+    return problems
+
+
+def _plan(tensors: dict[str, torch.Tensor], ckpt: CheckpointDir):
+    """(name, stored weights, their scales or None) per module tensor; names it lacks; format problems."""
+    plan, missing, problems = [], [], []
+    for name, target in tensors.items():
+        if _is_scale_of_quantized(name, tensors):
+            continue
+        stacked = _STACKED.match(name) is not None
+        n_stack = target.shape[0] if stacked else 1
+        sources = stored_names(name, n_stack)
+        scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
+        scales = stored_names(scale_name, n_stack) if scale_name else []
+        absent = [s for s in sources if s not in ckpt]
+        missing += absent
+        if not absent:
+            problems += _format_problems(ckpt, sources, scales, target, tensors.get(scale_name or ""), stacked)
+        quantized = any(s in ckpt for s in scales)
+        plan.append((name, sources, scales if quantized else None))
+    return plan, missing, problems
+
+
+def _refuse(ckpt: CheckpointDir, what: str, names: list[str]) -> None:
+    if names:
+        raise CheckpointError(f"checkpoint at {ckpt.directory} {what}: "
+                              f"{', '.join(names[:5])}{' …' if len(names) > 5 else ''}")
+
+
 def load_into(model: nn.Module, ckpt: CheckpointDir, *, device: str | torch.device = "cpu",
               engram_on_disk: bool = False, progress: bool | None = None) -> list[str]:
     """Materialise every module tensor of `model` (built on the meta device) from `ckpt`.
 
     Returns the stored names it left on disk (vision, DSpark when not built). Raises CheckpointError
-    before touching the model if any module tensor has no stored source.
+    before touching the model if any module tensor has no stored source, or a stored weight is not in a
+    form its module tensor can take (a quantised weight without its scale, a dtype the module does not
+    hold quantised): those are never cast.
     """
     tensors = _module_tensors(model)
-    plan: list[tuple[str, list[str], list[str] | None]] = []
-    missing = []
-    for name, target in tensors.items():
-        if _is_scale_of_quantized(name, tensors):
-            continue
-        n_stack = target.shape[0] if _STACKED.match(name) else 1
-        sources = stored_names(name, n_stack)
-        scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
-        scales = stored_names(scale_name, n_stack) if scale_name else None
-        if scales and not all(s in ckpt for s in scales):
-            scales = None
-        missing += [s for s in sources if s not in ckpt]
-        plan.append((name, sources, scales))
-    if missing:
-        raise CheckpointError(f"checkpoint at {ckpt.directory} lacks {len(missing)} tensor(s) the model needs: "
-                              f"{', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
+    plan, missing, problems = _plan(tensors, ckpt)
+    _refuse(ckpt, f"lacks {len(missing)} tensor(s) the model needs", missing)
+    _refuse(ckpt, f"stores {len(problems)} weight(s) in a form the model cannot take", problems)
     used = {s for _, srcs, scs in plan for s in srcs + (scs or [])}
     left = [n for n in ckpt.names() if n not in used]
     stray = [n for n in left if not skipped_family(n, model)]
-    if stray:
-        raise CheckpointError(f"checkpoint at {ckpt.directory} has {len(stray)} tensor(s) this model has no place "
-                              f"for: {', '.join(stray[:5])}{' …' if len(stray) > 5 else ''}")
+    _refuse(ckpt, f"has {len(stray)} tensor(s) this model has no place for", stray)
     total = sum(ckpt.spec(s).nbytes for s in used)
     with byte_progress(total, "loading", enabled=progress) as bar:
         for name, sources, scales in plan:
@@ -254,13 +312,24 @@ def stored_tensors(model: nn.Module, cfg: ModelConfig) -> Iterator[tuple[str, to
         value = pick(tensors[module_name].detach())
         scale_spec = inventory.get(stored[:-6] + "scale") if stored.endswith(".weight") else None
         held_scale = tensors.get(module_name[:-6] + "scale") if module_name.endswith(".weight") else None
-        if held_scale is not None and scale_spec is not None:
+        if held_scale is not None:
+            if scale_spec is None:                   # re-casting code values would write garbage
+                raise CheckpointError(f"{stored}: the model holds it quantised ({value.dtype} + scale); the "
+                                      f"layout stores {spec.dtype} without a scale")
             weight, scale = value, pick(held_scale.detach())
         else:
             weight, scale = to_stored_format(value, spec, scale_spec)
+        _check_stored(spec, weight)
         yield stored, weight.cpu().contiguous()
         if scale_spec is not None:
             yield scale_spec.name, scale.cpu().contiguous()
+
+
+def _check_stored(spec: TensorSpec, weight: torch.Tensor) -> None:
+    """What is written must be what the layout names: a mismatch means model and inventory disagree."""
+    if weight.dtype != torch_dtype(spec.dtype) or tuple(weight.shape) != tuple(spec.shape):
+        raise CheckpointError(f"{spec.name}: the model gives {weight.dtype} {tuple(weight.shape)}, the layout "
+                              f"stores {spec.describe()}")
 
 
 def save_model(model, directory: str | Path, *, tokenizer: str | Path | None = None,

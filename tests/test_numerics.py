@@ -1,0 +1,149 @@
+"""The numerics policy (numerics.py) and the tie rule of top-k (topk.py), against formulas in the test.
+
+- ordered top-k: the k largest scores, equal scores to the lower index, the same set whatever the
+  batch or the other rows (brute force with Python's stable sort);
+- the quantised GEMM: the reference's blockwise accumulation written out here in float64 / fp32 steps;
+  invariant kernels reproduce it bit for bit at any row count; one GEMM over the dequantised weight
+  (dsv41 before) does not;
+- invariant matmuls and transcendentals give each row the same bits at any row count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv41 import formats
+from dsv41.layers import block_operands, quantized_linear
+from dsv41.numerics import Numerics
+from dsv41.topk import ordered_keys, topk
+
+INVARIANT, BLAS = Numerics("reference", "invariant"), Numerics("reference", "blas")
+
+
+# ------------------------------------------------------------------------------------------ top-k
+
+def brute_force(row: list[float], k: int) -> list[int]:
+    return sorted(range(len(row)), key=lambda j: (-row[j], j))[:k]       # stable: ties to the lower index
+
+
+@pytest.mark.parametrize("k", [1, 3, 7, 20])
+def test_topk_breaks_ties_by_lower_index(k):
+    g = torch.Generator().manual_seed(k)
+    scores = torch.randint(-2, 3, (6, 20), generator=g).float()        # many exact ties
+    scores[0, :5] = float("-inf")
+    scores[1] = 0.0
+    scores[2, ::2] = -0.0                                               # −0 and +0 are one score
+    values, indices = topk(scores, k)
+    for r in range(scores.shape[0]):
+        assert indices[r].tolist() == brute_force(scores[r].tolist(), k), r
+        assert torch.equal(values[r], scores[r, indices[r]])
+    unsorted = topk(scores, k, sorted=False)[1].sort(-1).values
+    assert torch.equal(unsorted, indices.sort(-1).values)
+
+
+def test_topk_same_choice_alone_and_in_a_batch():
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randint(0, 3, (2, 6, 50), generator=g).to(torch.bfloat16)
+    batch = topk(scores, 9, sorted=False)[1].sort(-1).values
+    for b in range(2):
+        for t in range(6):
+            alone = topk(scores[b:b + 1, t:t + 1], 9, sorted=False)[1].sort(-1).values
+            assert torch.equal(alone[0, 0], batch[b, t])
+
+
+def test_ordered_keys_are_unique_and_ordered():
+    values = torch.tensor([float("-inf"), -3.5, -1.0, -0.0, 0.0, 1e-30, 2.0, float("inf")])
+    keys = ordered_keys(values)
+    assert keys.unique().numel() == keys.numel()
+    # strictly increasing in the score, except that −0 and +0 tie and the lower index wins
+    order = keys.argsort(descending=True).tolist()
+    assert order == [7, 6, 5, 3, 4, 2, 1, 0]
+
+
+# ------------------------------------------------------------------------------------------ quantised GEMM
+
+def blockwise_formula(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, storage: str) -> torch.Tensor:
+    """§6.3 step by step: fp8 activations per 32; per K block the exact partial sum (float64 holds it
+    exactly) rounded to fp32, times both power-of-two scales, added in K order to an fp32 accumulator."""
+    q, q_scale = formats.fp8_act_quant(x.float())
+    values, scale_rows = block_operands(w, w_scale, storage, w.shape[0])
+    M, K, N = q.shape[0], q.shape[1], values.shape[0]
+    out = torch.zeros(M, N)
+    for m in range(M):
+        acc = torch.zeros(N)
+        for k in range(K // 32):
+            cols = slice(32 * k, 32 * k + 32)
+            partial = (q[m, cols].double() * values[:, cols].double()).sum(-1).float()
+            acc = acc + partial * q_scale[m, k] * scale_rows[:, k]
+        out[m] = acc
+    return out.to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def quantised():
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(9, 512, generator=g) * torch.rand(1, 512, generator=g) * 4).to(torch.bfloat16)
+    fp8 = formats.quantize_fp8_weight(torch.randn(96, 512, generator=g))
+    fp4 = formats.quantize_fp4_weight(torch.randn(96, 512, generator=g) * 0.05)
+    return x, {"fp8": fp8, "fp4": fp4}
+
+
+@pytest.mark.parametrize("storage", ["fp8", "fp4"])
+def test_quantised_linear_is_the_blockwise_formula(quantised, storage):
+    x, weights = quantised
+    w, s = weights[storage]
+    expect = blockwise_formula(x, w, s, storage)
+    assert torch.equal(quantized_linear(x, w, s, storage, 96, INVARIANT), expect)
+    for rows in (1, 2, 5):                                             # any row count, the same bits
+        assert torch.equal(quantized_linear(x[:rows], w, s, storage, 96, INVARIANT), expect[:rows])
+    # the BLAS path sums each block in float32: within a rounding of the formula
+    blas = quantized_linear(x, w, s, storage, 96, BLAS).float()
+    assert ((blas - expect.float()).abs() <= expect.float().abs() * 2 ** -7).all()
+
+
+def test_one_gemm_over_the_dequantised_weight_is_not_the_blockwise_result(quantised):
+    """Mutation: what dsv41 computed before — one fp32 GEMM over all of K — sums in another order: its
+    fp32 results differ in the last bits, which a bf16 rounding tie turns into a different output."""
+    x, weights = quantised
+    w, s = weights["fp8"]
+    q, q_scale = formats.fp8_act_quant(x.float())
+    one_gemm = F.linear(formats.fp8_qdq(x.float()), formats.dequantize_fp8_weight(w, s))
+    blockwise = INVARIANT.block_scaled_matmul(q.float(), q_scale, *block_operands(w, s, "fp8", 96))
+    assert (one_gemm != blockwise).float().mean() > 0.05
+    torch.testing.assert_close(one_gemm, blockwise, rtol=1e-5, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ invariance
+
+def test_invariant_linear_is_row_count_independent_and_correctly_rounded():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(40, 1024, generator=g).to(torch.bfloat16).float()
+    w = torch.randn(24, 1024, generator=g).to(torch.bfloat16).float()
+    full = INVARIANT.linear(x, w)
+    exact = (x.double() @ w.double().t()).float()                     # bf16 products: exact sums in float64
+    assert torch.equal(full, exact)
+    for rows in (1, 2, 3, 7, 16):
+        assert torch.equal(INVARIANT.linear(x[:rows], w), full[:rows])
+
+
+@pytest.mark.parametrize("fn", ["exp", "sigmoid", "silu", "softplus"])
+def test_invariant_transcendentals_do_not_depend_on_the_tensor_size(fn):
+    """The CPU computes a tensor's last partial SIMD vector with scalar code (sigmoid(−0.33175597) differs
+    in the last bit between a 31- and a 32-element tensor here); invariant kernels evaluate in float64."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(200, generator=g) * 3
+    x[17] = -0.33175596594810486
+    full = getattr(INVARIANT, fn)(x)
+    for start, n in ((0, 1), (10, 8), (17, 15), (3, 31), (0, 33), (5, 100)):
+        assert torch.equal(getattr(INVARIANT, fn)(x[start:start + n]), full[start:start + n])
+    torch.testing.assert_close(full, getattr(BLAS, fn)(x), rtol=2e-7, atol=1e-30)
+
+
+def test_policy_defaults_and_validation():
+    assert Numerics.default("reference") == Numerics("reference", "invariant")
+    assert Numerics.default("fast") == Numerics("fast", "blas")
+    assert INVARIANT.attention_block == 64 and Numerics("fast", "blas").attention_block is None
+    with pytest.raises(ValueError, match="kernels"):
+        Numerics("reference", "turbo")
