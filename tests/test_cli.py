@@ -159,7 +159,7 @@ def test_help_for_every_subcommand(command, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"usage: dsv41 {command}")
     if command != "inspect":
-        for option in ("--checkpoint", "--numerics", "--device", "--dtype", "--max-context"):
+        for option in ("--checkpoint", "--numerics", "--kernels", "--device", "--dtype", "--max-context"):
             assert option in out
 
 
