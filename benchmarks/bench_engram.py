@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dsv41.config import RELEASED_CONFIG, ModelConfig
-from dsv41.engram import Engram, EngramHistory, EngramLayout, EngramTable, NgramHasher
+from dsv41.model.engram import Engram, EngramHistory, EngramLayout, EngramTable, NgramHasher
 
 RELEASE = RELEASED_CONFIG
 ROW_BYTES = 256 + 8  # e4m3 row plus its 8 ue8m0 scales

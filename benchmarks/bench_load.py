@@ -37,7 +37,7 @@ def make_checkpoint(directory: str) -> None:
 
     from dsv41.checkpoint.model_io import save_model
     from dsv41.config import ModelConfig, RuntimeConfig
-    from dsv41.init import init_random_
+    from dsv41.model.init import init_random_
     from dsv41.model import Transformer
 
     cfg = ModelConfig(vocab_size=8192, dim=1024, moe_inter_dim=512, n_layers=6, n_heads=8, n_routed_experts=32,

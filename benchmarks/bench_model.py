@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from dsv41.config import RELEASED_CONFIG, ModelConfig, RuntimeConfig
-from dsv41.init import init_random_
+from dsv41.model.init import init_random_
 from dsv41.model import Transformer
 
 CONFIG = dict(

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from dsv41.topk import topk
+from dsv41.model.topk import topk
 
 REPEATS = 5
 HEADS, HEAD_DIM = 32, 128

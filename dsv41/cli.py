@@ -1,6 +1,6 @@
 """The `dsv41` command: generate, chat, score and inspect (GENERATION-AND-DSPARK.md §1.3 is the baseline).
 
-Chat formatting lives here and in `dsv41.chat`; the engine (`dsv41.generate`) sees token ids only.
+Chat formatting lives here and in `dsv41.chat`; the engine (`dsv41.engine.generate`) sees token ids only.
 Errors a user can cause (a missing checkpoint, a bad config, a prompt longer than the context, a bad
 ids file) end with one line `dsv41: error: …` and exit status 2; DSV41_DEBUG=1 shows the traceback.
 """
@@ -20,11 +20,11 @@ from . import __version__, load
 from .chat import encode_messages
 from .config import RuntimeConfig
 from .demo import ensure_demo_checkpoint
-from .generate import GenerationConfig, check_prompts, generate_all
+from .engine.generate import GenerationConfig, check_prompts, generate_all
 from .repl import ChatSession, echo_to, input_lines, parse_effort, run_chat
-from .sampling import SamplingParams
-from .score import score
-from .speculative import speculative_generate
+from .engine.sampling import SamplingParams
+from .engine.score import score
+from .engine.speculative import speculative_generate
 from .tokenizer import Tokenizer
 
 EXIT_USAGE = 2

@@ -355,6 +355,6 @@ class RuntimeConfig:
     @property
     def numerics_policy(self):
         """The `Numerics` object every module of a model built with this runtime shares."""
-        from .numerics import Numerics
+        from .model.numerics import Numerics
         default = Numerics.default(self.numerics)
         return default if self.kernels is None else Numerics(self.numerics, self.kernels)

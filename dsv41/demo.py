@@ -53,7 +53,7 @@ User: what is the capital of France? Assistant: Paris is the capital of France.
 
 def demo_config_dict(vocab_size: int, compressed_vocab_size: int) -> dict:
     """The demo's config.json (inference/config.json keys), every layer role present."""
-    from .engram.hashing import table_rows
+    from .model.engram.hashing import table_rows
 
     base = dict(
         vocab_size=vocab_size, dim=128, moe_inter_dim=64, n_layers=8, n_mtp_layers=2, n_heads=4,
@@ -113,8 +113,8 @@ def create_demo_checkpoint(directory: Path) -> Path:
 
     from .checkpoint.model_io import save_model
     from .config import ModelConfig, RuntimeConfig
-    from .engram import build_token_map
-    from .init import init_random_
+    from .model.engram import build_token_map
+    from .model.init import init_random_
     from .model import Transformer
 
     tokenizer = train_tokenizer()

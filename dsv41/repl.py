@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import TextIO
 
 from .chat import encode_messages, parse_completion, resolve_reasoning_effort
-from .generate import GenerationConfig, StreamEvent, generate_all
+from .engine.generate import GenerationConfig, StreamEvent, generate_all
 from .tokenizer import Tokenizer
 
 COMMANDS = (

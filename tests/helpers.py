@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.config import RELEASED_CONFIG, ModelConfig, RuntimeConfig  # noqa: F401 (re-exported to tests)
-from dsv41.init import init_random_
+from dsv41.model.init import init_random_
 from dsv41.model import Transformer
 
 MAX_SEQ = 64  # cache and rotary reach of every tiny-model test

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from dsv41 import formats
-from dsv41.attention import sparse_attention, window_indices
-from dsv41.cache import SourceState
-from dsv41.compressor import Compressor
-from dsv41.indexer import Indexer, candidate_blocks, select_topk, visible_counts
-from dsv41.init import init_random_
-from dsv41.numerics import FAST, Numerics
-from dsv41.rope import Rotary
+from dsv41.model import formats
+from dsv41.model.attention import sparse_attention, window_indices
+from dsv41.model.cache import SourceState
+from dsv41.model.compressor import Compressor
+from dsv41.model.indexer import Indexer, candidate_blocks, select_topk, visible_counts
+from dsv41.model.init import init_random_
+from dsv41.model.numerics import FAST, Numerics
+from dsv41.model.rope import Rotary
 
 import helpers
 

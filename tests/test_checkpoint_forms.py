@@ -15,12 +15,12 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
-from dsv41 import formats
+from dsv41.model import formats
 from dsv41.checkpoint import CheckpointDir, CheckpointError, save_checkpoint
 from dsv41.checkpoint.model_io import load_into, load_model, save_model, stored_tensors, to_module_format
 from dsv41.config import RuntimeConfig
-from dsv41.engram import build_token_map
-from dsv41.engram.hashing import table_rows
+from dsv41.model.engram import build_token_map
+from dsv41.model.engram.hashing import table_rows
 from dsv41.model import Transformer
 
 import helpers

@@ -24,9 +24,9 @@ from dsv41 import cli
 from dsv41.chat import encode_messages
 from dsv41.config import RELEASED_CONFIG, RuntimeConfig
 from dsv41.demo import DEMO_NAME
-from dsv41.generate import GenerationConfig, generate_all
-from dsv41.sampling import SamplingParams
-from dsv41.score import score
+from dsv41.engine.generate import GenerationConfig, generate_all
+from dsv41.engine.sampling import SamplingParams
+from dsv41.engine.score import score
 from dsv41.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

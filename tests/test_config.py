@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dsv41.config import ConfigError, ModelConfig, RuntimeConfig
-from dsv41.layers import dense_storage, expert_storage
+from dsv41.model.layers import dense_storage, expert_storage
 
 import helpers
 

@@ -10,9 +10,9 @@ import torch
 
 from dsv41.config import ModelConfig
 from helpers import RELEASED_CONFIG
-from dsv41.engram import (DEAD, VERIFIED_MULTIPLIERS, EngramHistory, EngramLayout, NgramHasher,
+from dsv41.model.engram import (DEAD, VERIFIED_MULTIPLIERS, EngramHistory, EngramLayout, NgramHasher,
                           derive_multipliers, hash_compressed, is_prime)
-from dsv41.engram.hashing import lookback_tokens
+from dsv41.model.engram.hashing import lookback_tokens
 
 RELEASE = RELEASED_CONFIG  # ../shared/spec/config.json (DEVELOPING.md)
 PAD = 2

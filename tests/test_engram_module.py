@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from dsv41 import formats
+from dsv41.model import formats
 from dsv41.config import ModelConfig
 from helpers import RELEASED_CONFIG
-from dsv41.engram import Engram, stream_gate
-from dsv41.numerics import REFERENCE
+from dsv41.model.engram import Engram, stream_gate
+from dsv41.model.numerics import REFERENCE
 
 RELEASE = RELEASED_CONFIG  # ../shared/spec/config.json (DEVELOPING.md)
 EPS = 1e-20

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dsv41.engram import EngramTable, map_safetensors_tensor
+from dsv41.model.engram import EngramTable, map_safetensors_tensor
 
 GIB = 1 << 30
 

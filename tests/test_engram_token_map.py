@@ -6,8 +6,8 @@ import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
-from dsv41.engram import build_token_map, key_normalizer, load_or_build_token_map
-from dsv41.engram import token_map as tm
+from dsv41.model.engram import build_token_map, key_normalizer, load_or_build_token_map
+from dsv41.model.engram import token_map as tm
 
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"]
 

@@ -1,4 +1,4 @@
-"""Tests for dsv41.formats against expectations written here: hand tables (ARCHITECTURE.md §6.1,
+"""Tests for dsv41.model.formats against expectations written here: hand tables (ARCHITECTURE.md §6.1,
 CHECKPOINT.md §2), exact math-module formulas and brute-force nearest-value searches (§6.3, §6.4)."""
 
 import math
@@ -7,7 +7,7 @@ import struct
 import pytest
 import torch
 
-from dsv41 import formats as F
+from dsv41.model import formats as F
 
 E2M1_MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 
 import dsv41
-from dsv41.cache import ModelCache
+from dsv41.model.cache import ModelCache
 from dsv41.chat import BOS
 from dsv41.config import RuntimeConfig
-from dsv41.generate import GenerationConfig, StopStringFilter, generate, generate_all
+from dsv41.engine.generate import GenerationConfig, StopStringFilter, generate, generate_all
 from dsv41.model import ModelOutput
-from dsv41.sampling import SamplingParams
-from dsv41.score import score
+from dsv41.engine.sampling import SamplingParams
+from dsv41.engine.score import score
 from dsv41.tokenizer import REPLACEMENT_CHAR, Tokenizer, TokenizerError
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -25,14 +25,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dsv41 import hyper
-from dsv41.attention import Attention
-from dsv41.block import Block
+from dsv41.model import hyper
+from dsv41.model.attention import Attention
+from dsv41.model.block import Block
 from dsv41.config import ModelConfig, RuntimeConfig
-from dsv41.init import init_random_
+from dsv41.model.init import init_random_
 from dsv41.model import Transformer
 from dsv41.parity import decode_trace
-from dsv41.rope import Rotary
+from dsv41.model.rope import Rotary
 
 GOLDEN = sorted((Path(__file__).parent / "golden").glob("*.safetensors"))
 # Measured summation-order noise ≤ 0.027, the mutations ≥ 0.55 (module docstring).

@@ -12,12 +12,12 @@ import torch
 from dsv41.checkpoint import CheckpointDir
 from dsv41.checkpoint.model_io import save_model
 from dsv41.config import RELEASED_CONFIG, ModelConfig, RuntimeConfig
-from dsv41.init import init_random_
+from dsv41.model.init import init_random_
 from dsv41.inspect import inspect_model, main, render_text, to_dict, write_html
 from dsv41.inspect.locations import build_meta_model
 from dsv41.inspect.mathml import MathMLError, to_mathml
 from dsv41.model import Transformer
-from dsv41.roles import seed_groups
+from dsv41.inspect.roles import seed_groups
 
 CONFIG = RELEASED_CONFIG
 
@@ -229,7 +229,7 @@ def test_json_output(report):
     assert gate["tables"][0]["total"] == 40_960 and gate["formulas"][0]["latex"].startswith("a_{k}")
     layer2 = next(c for c in data["tree"]["children"] if c["name"] == "layers")["children"][2]
     compressor = next(c for c in layer2["children"] if c["name"] == "compressor")
-    assert compressor["module"] == "dsv41.compressor:Compressor" and compressor["parameters"] == 5_243_392
+    assert compressor["module"] == "dsv41.model.compressor:Compressor" and compressor["parameters"] == 5_243_392
 
 
 class _Collector(HTMLParser):
@@ -261,23 +261,23 @@ def test_html_pages(report, tmp_path):
         if page.name != "index.html":
             assert any(t == "math" for t, _ in tags) and any(t == "mfrac" or t == "msub" for t, _ in tags)
     _, gate = _read_page(tmp_path / "engram_gate.html")
-    assert "40,960" in gate and "20,480" in gate and "dsv41/engram/module.py" in gate
+    assert "40,960" in gate and "20,480" in gate and "dsv41/model/engram/module.py" in gate
     assert "[B batch, T positions, 4 streams, 5120 d]" in gate
     for page in ("stack.html", "index.html"):
         _, text = _read_page(tmp_path / page)
         assert all(f"{v:,}" in text for _, v in SEED_GROUPS) and "747,170,852,464" in text
     _, compressor = _read_page(tmp_path / "compressor.html")
-    assert "5,243,392" in compressor and "2,621,952" in compressor and "dsv41.compressor:Compressor" in compressor
+    assert "5,243,392" in compressor and "2,621,952" in compressor and "dsv41.model.compressor:Compressor" in compressor
     _, dspark = _read_page(tmp_path / "dspark_stage.html")
-    assert "4,693,504,118" in dspark and "dsv41.dspark:DSparkStage" in dspark
+    assert "4,693,504,118" in dspark and "dsv41.model.dspark:DSparkStage" in dspark
 
 
 # ------------------------------------------------------------------------------ components, code, MathML
 def test_where_it_lives(report):
-    assert report.modules["layers.2.attn.compressor"] == "dsv41.compressor:Compressor"
-    assert report.modules["layers.1.engram"] == "dsv41.engram.module:Engram"
-    assert report.modules["layers.0.ffn.experts"] == "dsv41.moe:RoutedExperts"
-    assert report.modules["mtp.0.attn"] == "dsv41.dspark:DSparkAttention"
+    assert report.modules["layers.2.attn.compressor"] == "dsv41.model.compressor:Compressor"
+    assert report.modules["layers.1.engram"] == "dsv41.model.engram.module:Engram"
+    assert report.modules["layers.0.ffn.experts"] == "dsv41.model.moe:RoutedExperts"
+    assert report.modules["mtp.0.attn"] == "dsv41.model.dspark:DSparkAttention"
     assert not any(p.startswith(("vision", "aligner")) for p in report.modules)  # not built
     package_parent = Path(__file__).resolve().parents[1]
     for locations in report.code.values():

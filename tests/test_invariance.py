@@ -17,13 +17,13 @@ import torch
 
 import dsv41
 import helpers
-from dsv41 import indexer
-from dsv41.attention import Attention
+from dsv41.model import indexer
+from dsv41.model.attention import Attention
 from dsv41.config import RuntimeConfig
-from dsv41.generate import GenerationConfig, generate_all
-from dsv41.sampling import SamplingParams
-from dsv41.score import score
-from dsv41.speculative import speculative_generate
+from dsv41.engine.generate import GenerationConfig, generate_all
+from dsv41.engine.sampling import SamplingParams
+from dsv41.engine.score import score
+from dsv41.engine.speculative import speculative_generate
 from dsv41.tokenizer import Tokenizer
 
 LENGTH = 40

@@ -8,7 +8,7 @@ wrap-around, and splits at odd positions start and end inside ratio-2 groups (th
 import pytest
 import torch
 
-from dsv41.cache import CacheError
+from dsv41.model.cache import CacheError
 from dsv41.config import RuntimeConfig
 from dsv41.model import Transformer
 

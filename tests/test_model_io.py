@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from dsv41 import formats
+from dsv41.model import formats
 from dsv41.checkpoint import CheckpointDir, CheckpointError, save_checkpoint
 from dsv41.checkpoint.model_io import load_model, save_model, stored_tensors
 from dsv41.config import RuntimeConfig

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from dsv41 import formats
-from dsv41.init import init_random_
-from dsv41.moe import MoE, route, swiglu
-from dsv41.numerics import FAST, Numerics
+from dsv41.model import formats
+from dsv41.model.init import init_random_
+from dsv41.model.moe import MoE, route, swiglu
+from dsv41.model.numerics import FAST, Numerics
 
 E, A, D, F_ = 8, 2, 64, 32
 LIMIT = 1.0          # a small clamp so both SwiGLU clamps are active with random weights

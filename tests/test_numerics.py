@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv41 import formats
-from dsv41.layers import block_operands, quantized_linear
-from dsv41.numerics import Numerics
-from dsv41.topk import ordered_keys, topk
+from dsv41.model import formats
+from dsv41.model.layers import block_operands, quantized_linear
+from dsv41.model.numerics import Numerics
+from dsv41.model.topk import ordered_keys, topk
 
 INVARIANT, BLAS = Numerics("reference", "invariant"), Numerics("reference", "blas")
 

@@ -29,12 +29,12 @@ import math
 import pytest
 import torch
 
-import dsv41.attention
-import dsv41.moe
-from dsv41 import hyper
-from dsv41.attention import Attention, ForwardState
-from dsv41.indexer import Indexer
-from dsv41.rope import Rotary
+import dsv41.model.attention
+import dsv41.model.moe
+from dsv41.model import hyper
+from dsv41.model.attention import Attention, ForwardState
+from dsv41.model.indexer import Indexer
+from dsv41.model.rope import Rotary
 
 import helpers
 
@@ -538,19 +538,19 @@ def test_mutation_visibility_one_token_early(model, monkeypatch):
         # a group visible from its last token on (p // r + 1 for r = 2) instead of after it (trap 9)
         return (torch.arange(start_pos, start_pos + length, device=device) + ratio) // ratio
 
-    monkeypatch.setattr(dsv41.attention, "visible_counts", visible_counts)
+    monkeypatch.setattr(dsv41.model.attention, "visible_counts", visible_counts)
     d = mutated_attention_distance(model)
     report("mutation: visibility one token early", d)
     assert d > MUTATION_FACTOR * TOL
 
 
 def test_mutation_sink_scaled(model, monkeypatch):
-    real = dsv41.attention.sparse_attention
+    real = dsv41.model.attention.sparse_attention
 
     def sparse_attention(q, pool, rows, sink, scale, *args, **kwargs):
         return real(q, pool, rows, sink * scale, scale, *args, **kwargs)   # sink scaled like a logit (trap 10)
 
-    monkeypatch.setattr(dsv41.attention, "sparse_attention", sparse_attention)
+    monkeypatch.setattr(dsv41.model.attention, "sparse_attention", sparse_attention)
     d = mutated_attention_distance(model)
     report("mutation: sink multiplied by the softmax scale", d)
     assert d > MUTATION_FACTOR * TOL
@@ -601,13 +601,13 @@ def test_mutation_comb_not_transposed(model, monkeypatch):
 
 
 def test_mutation_up_clamped_from_above_only(model, monkeypatch):
-    real = dsv41.moe.swiglu
+    real = dsv41.model.moe.swiglu
 
     def swiglu(gate, up, limit, *args, **kwargs):
         # the asymmetric clamp put on the wrong branch: up ≤ limit only, gate ±limit (trap 17)
         return real(gate.clamp(-limit, limit), up.clamp(max=limit), 0.0, *args, **kwargs)
 
-    monkeypatch.setattr(dsv41.moe, "swiglu", swiglu)
+    monkeypatch.setattr(dsv41.model.moe, "swiglu", swiglu)
     moe = model.layers[2].ffn
     x = random_inputs((B, SEQ, model.cfg.dim), seed=7) * 12
     with torch.no_grad():

@@ -7,7 +7,8 @@ import torch
 
 from dsv41.config import RuntimeConfig
 from dsv41.model import Transformer
-from dsv41.roles import POOLED, TOKEN, WINDOW, derive_roles, roles_table, seed_groups
+from dsv41.inspect.roles import roles_table, seed_groups
+from dsv41.model.roles import POOLED, TOKEN, WINDOW, derive_roles
 
 POOLED_SOURCES = {2: range(3, 8), 8: range(9, 14), 14: range(15, 20)}
 REINDEXERS = (24, 28, 32, 36)
@@ -85,7 +86,7 @@ def test_engram_and_dspark_targets(roles):
 def test_rope_table_choice(released_cfg):
     """Every r > 0 layer's attention rotates with θ = 160000 and YaRN; r = 0 layers (0, 1 and the DSpark
     stages) with the base θ and no YaRN (§3, trap 6): read from the modules of the released model."""
-    from dsv41.rope import yarn_frequencies
+    from dsv41.model.rope import yarn_frequencies
 
     c = released_cfg
     compressed = yarn_frequencies(c.rope_head_dim, c.compress_rope_theta, c.original_seq_len, c.rope_factor,

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from dsv41 import hyper
-from dsv41.numerics import FAST
-from dsv41.rope import Rotary, yarn_frequencies
+from dsv41.model import hyper
+from dsv41.model.numerics import FAST
+from dsv41.model.rope import Rotary, yarn_frequencies
 
 import helpers
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from dsv41.sampling import SamplingParams, probabilities, sample
+from dsv41.engine.sampling import SamplingParams, probabilities, sample
 
 
 def _gen(seed):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import helpers
-from dsv41.dspark import Draft
-from dsv41.speculative import accept_drafts, speculative_generate
+from dsv41.model.dspark import Draft
+from dsv41.engine.speculative import accept_drafts, speculative_generate
 
 
 def test_acceptance_rule_reproduces_the_target_distribution():
@@ -101,7 +101,7 @@ def test_rollback_restores_ring_and_tail(model):
 
 
 def test_repetition_penalty_is_refused(model):
-    from dsv41.sampling import SamplingParams
+    from dsv41.engine.sampling import SamplingParams
 
     with pytest.raises(ValueError, match="repetition penalty"):
         speculative_generate(model, [1, 2, 3], 4, params=SamplingParams(repetition_penalty=1.2))

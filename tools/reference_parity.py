@@ -41,10 +41,10 @@ from pathlib import Path
 import torch
 
 from dsv41.config import ModelConfig, RuntimeConfig
-from dsv41.init import init_random_
+from dsv41.model.init import init_random_
 from dsv41.model import Transformer
 from dsv41.parity import decode_trace
-from dsv41.topk import ordered_keys
+from dsv41.model.topk import ordered_keys
 
 TINY = dict(vocab_size=256, dim=64, moe_inter_dim=32, n_layers=8, n_heads=4, n_routed_experts=4,
             n_shared_experts=1, q_lora_rank=32, head_dim=64, rope_head_dim=16, o_groups=2, o_lora_rank=32,

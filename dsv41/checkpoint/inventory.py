@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..config import ModelConfig
-from ..roles import LayerRole, derive_roles
+from ..model.roles import LayerRole, derive_roles
 from .spec import TensorSpec
 
 # Weight block size of fp8 Linears, fp4 experts and the Engram table rows (CHECKPOINT.md §2; 32, not

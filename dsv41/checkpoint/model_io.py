@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import formats
+from ..model import formats
 from ..config import ModelConfig, RuntimeConfig
 from .inventory import released_inventory
 from .progress import byte_progress
@@ -292,7 +292,7 @@ def _token_map(path: Path, cfg: ModelConfig):
     if not tokenizer.is_file():
         raise CheckpointError(f"{path}: the model has Engram layers, whose hash needs tokenizer.json, "
                               f"which the directory lacks")
-    from ..engram import load_or_build_token_map
+    from ..model.engram import load_or_build_token_map
     return load_or_build_token_map(tokenizer, cfg.engram_compressed_vocab_size)
 
 

@@ -1,7 +1,7 @@
 """What one stored tensor is (name, safetensors dtype, shape), and the safetensors dtype table.
 
 The dtype strings are the ones safetensors headers use (CHECKPOINT.md §2). `I8` in this checkpoint holds
-packed fp4 e2m1 (two values per byte); it is read back as int8 and unpacked by `dsv41.formats`.
+packed fp4 e2m1 (two values per byte); it is read back as int8 and unpacked by `dsv41.model.formats`.
 """
 
 from __future__ import annotations

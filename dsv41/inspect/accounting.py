@@ -16,7 +16,8 @@ from functools import cached_property
 from ..checkpoint import released_inventory
 from ..checkpoint.spec import TensorSpec
 from ..config import ModelConfig
-from ..roles import LayerRole, derive_roles, seed_groups
+from ..model.roles import LayerRole, derive_roles
+from .roles import seed_groups
 from .tree import Node, Part, build_tree, counted_parameters
 
 # The loader dequantises wo_a to bf16 (ARCHITECTURE.md §6.2), so the model as built holds no scale for

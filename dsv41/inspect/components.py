@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..roles import LayerRole, derive_roles, seed_groups
+from ..model.roles import LayerRole, derive_roles
+from .roles import seed_groups
 from .accounting import layers_text, ranges
 
 
@@ -121,7 +122,7 @@ def _model(x: _Context) -> ComponentKind:
         (Port("in", "ids", (x.B, x.T)), Port("out", "logits", (x.B, x.V)),
          Port("out", "DSpark hidden", (x.B, x.T, f"{len(c.dspark_target_layer_ids) * c.dim} "
                                                  f"({len(c.dspark_target_layer_ids)} targets × {c.dim} d)"))),
-        tuple(parts), ("dsv41.model:Transformer",), "ARCHITECTURE.md §4")
+        tuple(parts), ("dsv41.model.transformer:Transformer",), "ARCHITECTURE.md §4")
 
 
 def _stack(x: _Context) -> ComponentKind:
@@ -150,7 +151,7 @@ def _stack(x: _Context) -> ComponentKind:
                                L=c.n_layers - 1)),),
         (x.stream("X"), Port("in", "pre", (x.B, x.T, x.S)), Port("in", "hash ids", (x.B, x.T, hashes)),
          x.stream("X", "out"), Port("out", "pre", (x.B, x.T, x.S))),
-        rows, ("dsv41.model:Transformer.forward", "dsv41.roles:derive_roles", "dsv41.roles:seed_groups"),
+        rows, ("dsv41.model.transformer:Transformer.forward", "dsv41.model.roles:derive_roles", "dsv41.inspect.roles:seed_groups"),
         "ARCHITECTURE.md §3–§5, PARAMETERS.md §5")
 
 
@@ -168,7 +169,7 @@ def _block(x: _Context) -> ComponentKind:
          Formula("FFN write", r"X''_j = \mathrm{post}^{f}_j \operatorname{MoE}(f) + \sum_i c^{f}_{ij} X'_i")),
         (x.stream("X"), Port("in", "pre_in", (x.B, x.T, x.S)), x.stream("X''", "out"),
          Port("out", "pre_f", (x.B, x.T, x.S))),
-        x.ratio_lines(), ("dsv41.model:Block",), "ARCHITECTURE.md §5")
+        x.ratio_lines(), ("dsv41.model.block:Block",), "ARCHITECTURE.md §5")
 
 
 def _attention(x: _Context) -> ComponentKind:
@@ -193,7 +194,7 @@ def _attention(x: _Context) -> ComponentKind:
         (Port("in", "x", (x.B, x.T, x.D)), Port("out", "o", (x.B, x.T, x.D)),
          Port("inside", "q", (x.B, x.T, x.H, x.Dh)), Port("inside", "kv", (x.B, x.T, x.latent)),
          Port("inside", "grouped output", (x.B, x.T, f"{c.o_groups} groups", f"{c.o_lora_rank} rank"))),
-        x.ratio_lines(), ("dsv41.attention:Attention", "dsv41.rope:Rotary"), "ARCHITECTURE.md §10, §11")
+        x.ratio_lines(), ("dsv41.model.attention:Attention", "dsv41.model.rope:Rotary"), "ARCHITECTURE.md §10, §11")
 
 
 def _compressor(x: _Context) -> ComponentKind:
@@ -222,7 +223,7 @@ def _compressor(x: _Context) -> ComponentKind:
          Formula("visibility", r"j < \lfloor (p+1)/r \rfloor")),
         (Port("in", "x", (x.B, x.T, x.D)), Port("out", "latent", (x.B, "T/r groups", x.latent)),
          Port("inside", "tail state", (x.B, "r slots", x.latent))),
-        tuple(lines), ("dsv41.compressor:Compressor",), "ARCHITECTURE.md §11.3–§11.5",
+        tuple(lines), ("dsv41.model.compressor:Compressor",), "ARCHITECTURE.md §11.3–§11.5",
         present=bool(x.kv_sources))
 
 
@@ -255,7 +256,7 @@ def _indexer(x: _Context) -> ComponentKind:
          Port("in", "index keys", (x.B, x.C, f"{c.index_head_dim} index dim")),
          Port("out", "indices", (x.B, x.T, f"{c.index_topk} top-k")),
          Port("inside", "scores", (x.B, x.T, x.C))),
-        tuple(lines), ("dsv41.indexer:Indexer", "dsv41.indexer:select_topk", "dsv41.indexer:visible_counts"),
+        tuple(lines), ("dsv41.model.indexer:Indexer", "dsv41.model.indexer:select_topk", "dsv41.model.indexer:visible_counts"),
         "ARCHITECTURE.md §11.6", present=bool(x.index_sources))
 
 
@@ -278,7 +279,7 @@ def _candidate(x: _Context) -> ComponentKind:
          Port("inside", "block scores", (x.B, x.T, f"⌈C/{bs}⌉ blocks"))),
         (f"source: layer {c.candidate_source_layer}",
          f"restricted to its blocks: {layers_text(x.candidate_users)}"),
-        ("dsv41.indexer:candidate_blocks",), "ARCHITECTURE.md §11.6",
+        ("dsv41.model.indexer:candidate_blocks",), "ARCHITECTURE.md §11.6",
         present=c.candidate_source_layer is not None)
 
 
@@ -303,7 +304,7 @@ def _sparse_attention(x: _Context) -> ComponentKind:
          Port("out", "out", (x.B, x.T, x.H, x.Dh))),
         (f"window rows only (≤ {c.window_size}): {window}",
          f"window + compressed rows (≤ {both}): {layers_text(compressed)}"),
-        ("dsv41.attention:sparse_attention", "dsv41.attention:window_indices"), "ARCHITECTURE.md §11.7")
+        ("dsv41.model.attention:sparse_attention", "dsv41.model.attention:window_indices"), "ARCHITECTURE.md §11.7")
 
 
 def _moe_lines(x: _Context) -> tuple[str, ...]:
@@ -325,7 +326,7 @@ def _moe(x: _Context) -> ComponentKind:
         "every token goes through, is added.",
         (Formula("output", r"y = \sum_{e \in \mathrm{chosen}} \mathrm{expert}_e(x; w_e) + \mathrm{shared}(x)"),),
         (Port("in", "x", (x.B, x.T, x.D)), Port("out", "y", (x.B, x.T, x.D))),
-        _moe_lines(x), ("dsv41.moe:MoE",), "ARCHITECTURE.md §13")
+        _moe_lines(x), ("dsv41.model.moe:MoE",), "ARCHITECTURE.md §13")
 
 
 def _router(x: _Context) -> ComponentKind:
@@ -344,7 +345,7 @@ def _router(x: _Context) -> ComponentKind:
         (Port("in", "x", (tokens, x.D)), Port("out", "weights", (tokens, f"{c.n_activated_experts} active")),
          Port("out", "expert ids", (tokens, f"{c.n_activated_experts} active")),
          Port("inside", "scores", (tokens, f"{c.n_routed_experts} experts"))),
-        _moe_lines(x), ("dsv41.moe:Router", "dsv41.moe:route"), "ARCHITECTURE.md §13")
+        _moe_lines(x), ("dsv41.model.moe:Router", "dsv41.model.moe:route"), "ARCHITECTURE.md §13")
 
 
 def _expert(x: _Context) -> ComponentKind:
@@ -362,7 +363,7 @@ def _expert(x: _Context) -> ComponentKind:
          Formula("output", r"\mathrm{expert}_e(x; w_e) = W_2\, h")),
         (Port("in", "x", (tokens, x.D)), Port("out", "y", (tokens, x.D)),
          Port("inside", "h", (tokens, f"{c.moe_inter_dim} hidden"))),
-        _moe_lines(x), ("dsv41.moe:RoutedExperts", "dsv41.moe:Expert", "dsv41.moe:swiglu"), "ARCHITECTURE.md §13")
+        _moe_lines(x), ("dsv41.model.moe:RoutedExperts", "dsv41.model.moe:Expert", "dsv41.model.moe:swiglu"), "ARCHITECTURE.md §13")
 
 
 def _hyper(x: _Context) -> ComponentKind:
@@ -387,8 +388,8 @@ def _hyper(x: _Context) -> ComponentKind:
         (x.stream("X"), Port("out", "pre", (x.B, x.T, x.S)), Port("out", "post", (x.B, x.T, x.S)),
          Port("out", "comb", (x.B, x.T, x.S, x.S)), Port("inside", "m", (x.B, x.T, f"{mix} mixes"))),
         ("every block and DSpark stage: hc_attn_* before attention, hc_ffn_* before the MoE",),
-        ("dsv41.hyper:mixes", "dsv41.hyper:split_mixes", "dsv41.hyper:sinkhorn", "dsv41.hyper:collapse",
-         "dsv41.hyper:expand"), "ARCHITECTURE.md §7")
+        ("dsv41.model.hyper:mixes", "dsv41.model.hyper:split_mixes", "dsv41.model.hyper:sinkhorn", "dsv41.model.hyper:collapse",
+         "dsv41.model.hyper:expand"), "ARCHITECTURE.md §7")
 
 
 def _engram(x: _Context) -> ComponentKind:
@@ -411,7 +412,7 @@ def _engram(x: _Context) -> ComponentKind:
          Port("inside", "E", (x.B, x.T, f"{n} n-grams × heads", f"{de} row")),
          Port("inside", "value", (x.B, x.T, x.D))),
         (f"before blocks {ranges(x.engram_layers)}; table rows {rows}",),
-        ("dsv41.engram.module:Engram", "dsv41.engram.table:EngramTable", "dsv41.engram.hashing:NgramHasher"),
+        ("dsv41.model.engram.module:Engram", "dsv41.model.engram.table:EngramTable", "dsv41.model.engram.hashing:NgramHasher"),
         "ARCHITECTURE.md §9, ENGRAM-HASHING.md", present=bool(x.engram_layers))
 
 
@@ -428,7 +429,7 @@ def _engram_gate(x: _Context) -> ComponentKind:
          Formula("weight", r"w = q_{\mathrm{weight}} \odot k_{\mathrm{weight}}")),
         (x.stream("X_n"), x.stream("k^e"), Port("out", "g^e", (x.B, x.T, x.S))),
         (f"one per Engram layer: before blocks {ranges(x.engram_layers)}",),
-        ("dsv41.engram.module:stream_gate", "dsv41.engram.module:Engram.forward"), "ARCHITECTURE.md §9 steps 3–6",
+        ("dsv41.model.engram.module:stream_gate", "dsv41.model.engram.module:Engram.forward"), "ARCHITECTURE.md §9 steps 3–6",
         present=bool(x.engram_layers))
 
 
@@ -458,7 +459,7 @@ def _dspark(x: _Context) -> ComponentKind:
          Port("inside", "draft rows", (x.B, f"{c.dspark_block_size} draft rows", x.S, x.D))),
         (f"stages mtp.0–{c.n_mtp_layers - 1} (layer ids {c.n_layers}–{c.n_all_layers - 1}); targets: the streams "
          f"entering layers {ranges(c.dspark_target_layer_ids)}",),
-        ("dsv41.dspark:DSparkStage", "dsv41.dspark:DSparkAttention.forward", "dsv41.dspark:draft"),
+        ("dsv41.model.dspark:DSparkStage", "dsv41.model.dspark:DSparkAttention.forward", "dsv41.model.dspark:draft"),
         "ARCHITECTURE.md §15, GENERATION-AND-DSPARK.md",
         present=c.dspark_enabled)
 
@@ -513,7 +514,7 @@ def _head(x: _Context) -> ComponentKind:
                            r"W_{\mathrm{head}}^{\top}"),),
         (Port("in", "y", (x.B, x.T, x.D)), Port("out", "logits", (x.B, x.V))),
         (f"after layer {c.n_layers - 1}; tied to the DSpark stages",),
-        ("dsv41.layers:Head", "dsv41.model:Transformer.logits"), "ARCHITECTURE.md §8")
+        ("dsv41.model.layers:Head", "dsv41.model.transformer:Transformer.logits"), "ARCHITECTURE.md §8")
 
 
 def _embedding(x: _Context) -> ComponentKind:
@@ -526,7 +527,7 @@ def _embedding(x: _Context) -> ComponentKind:
         (Formula("lookup", _tex(r"e_t = E_{\mathrm{id}_t},\quad X_{t,k} = e_t\;\; (k = 1, \ldots, @S)", S=c.hc_mult)),),
         (Port("in", "ids", (x.B, x.T)), Port("out", "e", (x.B, x.T, x.D))),
         ("before layer 0; tied to the DSpark stages",),
-        ("dsv41.layers:Embedding", "dsv41.checkpoint.inventory:_image_markers"), "ARCHITECTURE.md §8, §16.5")
+        ("dsv41.model.layers:Embedding", "dsv41.checkpoint.inventory:_image_markers"), "ARCHITECTURE.md §8, §16.5")
 
 
 def _norm(x: _Context) -> ComponentKind:
@@ -541,7 +542,7 @@ def _norm(x: _Context) -> ComponentKind:
                               r"\epsilon}},\quad \epsilon = @eps", eps=_power_of_ten(c.norm_eps))),),
         (Port("in", "x", ("…", "n features")), Port("out", "y", ("…", "n features"))),
         ("attn_norm and ffn_norm in every block; the final norm before the head",),
-        ("dsv41.layers:RMSNorm",), "ARCHITECTURE.md §6.7, §8")
+        ("dsv41.model.layers:RMSNorm",), "ARCHITECTURE.md §6.7, §8")
 
 
 _BUILDERS = (_model, _stack, _block, _attention, _compressor, _indexer, _candidate, _sparse_attention, _moe,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..roles import derive_roles, roles_table
+from ..model.roles import derive_roles
+from .roles import roles_table
 from ..config import ModelConfig
 from .accounting import Accounting, fmt, layers_text
 from .components import ComponentKind
@@ -213,7 +214,7 @@ def render_text(report: Report) -> str:
     out += ["", "Component tree (parameters; a subtree equal to one shown earlier is not repeated)"]
     out += _tree_lines(report)
     out += ["", "Components (shapes and where they live)"] + _component_lines(report)
-    out += ["", "Layer roles (ARCHITECTURE.md §3, derived by dsv41/roles.py)"] + roles_table(derive_roles(cfg)).splitlines()
+    out += ["", "Layer roles (ARCHITECTURE.md §3, derived by dsv41/model/roles.py)"] + roles_table(derive_roles(cfg)).splitlines()
     out += ["", f"The {cfg.n_layers} layers, per instance (the seed documents' groups)"] + _group_lines(report)
     gates = acc.engram_gates()
     if gates:

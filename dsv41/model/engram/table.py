@@ -26,7 +26,7 @@ def map_safetensors_tensor(path: str | os.PathLike, name: str, *, random_access:
 
     Writing to the result faults: it is mapped PROT_READ. `random_access` tells the kernel not to
     read ahead around each touched page (sparse row lookups)."""
-    from ..checkpoint.safetensors_io import CheckpointDir
+    from ...checkpoint.safetensors_io import CheckpointDir
 
     return CheckpointDir(path).tensor(name, random_access=random_access)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sampling import SamplingParams, sample
-from .tokenizer import StreamDecoder, Tokenizer
+from ..tokenizer import StreamDecoder, Tokenizer
 
 FINISH_REASONS = ("eos", "stop", "length", "context")
 DEFAULT_PREFILL_CHUNK = 512

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .cache import ModelCache
 from .compressor import Compressor
-from .config import ModelConfig
+from ..config import ModelConfig
 from .indexer import Indexer, candidate_blocks, select_topk, visible_counts
 from .layers import Linear, RMSNorm, dense_storage
 from .numerics import Numerics

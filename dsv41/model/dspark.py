@@ -26,7 +26,7 @@ from torch import nn
 from . import hyper
 from .attention import Attention, sparse_attention
 from .cache import ModelCache
-from .config import ModelConfig
+from ..config import ModelConfig
 from .block import Block
 from .layers import Embedding, Head, Linear, RMSNorm, dense_storage
 from .numerics import Numerics

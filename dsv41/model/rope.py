@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 
 def yarn_frequencies(rope_dim: int, theta: float, original_seq_len: int, factor: float,

@@ -11,7 +11,7 @@ from torch import nn
 from . import hyper
 from .attention import Attention, ForwardState
 from .cache import ModelCache
-from .config import ModelConfig
+from ..config import ModelConfig
 from .engram import Engram
 from .layers import RMSNorm, dense_storage, expert_storage
 from .moe import MoE

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .roles import LayerRole
 
 

@@ -23,7 +23,7 @@ from .block import Block
 from .dspark import Draft, DSparkStage, draft, observe
 from .engram import EngramHistory, EngramLayout, NgramHasher
 from .cache import ModelCache, create_cache
-from .config import ModelConfig, RuntimeConfig
+from ..config import ModelConfig, RuntimeConfig
 from .layers import Embedding, Head, RMSNorm
 from .roles import derive_roles
 

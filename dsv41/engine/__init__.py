@@ -1,0 +1,1 @@
+"""Generation on top of the model: sampling, the batched engine, speculative decoding, scoring."""
