@@ -16,7 +16,7 @@ import torch
 import dsv41
 from dsv41.config import RuntimeConfig
 from dsv41.demo import ensure_demo_checkpoint
-from dsv41.engine.generate import GenerationConfig, generate_all
+from dsv41.engine.engine import GenerationConfig, generate_all
 from dsv41.engine.sampling import SamplingParams
 from dsv41.tokenizer import Tokenizer
 

@@ -1,6 +1,6 @@
 """The `dsv41` command: generate, chat, score and inspect (GENERATION-AND-DSPARK.md §1.3 is the baseline).
 
-Chat formatting lives here and in `dsv41.chat`; the engine (`dsv41.engine.generate`) sees token ids only.
+Chat formatting lives here and in `dsv41.chat`; the engine (`dsv41.engine`) sees token ids only.
 Errors a user can cause (a missing checkpoint, a bad config, a prompt longer than the context, a bad
 ids file) end with one line `dsv41: error: …` and exit status 2; DSV41_DEBUG=1 shows the traceback.
 """
@@ -20,11 +20,11 @@ from . import __version__, load
 from .chat import encode_messages
 from .config import RuntimeConfig
 from .demo import ensure_demo_checkpoint
-from .engine.generate import GenerationConfig, check_prompts, generate_all
+from .engine.engine import GenerationConfig, generate_all
+from .engine.request import check_prompts
 from .repl import ChatSession, echo_to, input_lines, parse_effort, run_chat
 from .engine.sampling import SamplingParams
 from .engine.score import score
-from .engine.speculative import speculative_generate
 from .tokenizer import Tokenizer
 
 EXIT_USAGE = 2
@@ -101,8 +101,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past EOS (fixed-length runs, benchmarks)")
     p.add_argument("--speculative", action="store_true",
-                   help="draft with the DSpark stages and verify (lossless; one prompt; no streaming or stop "
-                        "strings); prints the acceptance figures")
+                   help="draft with the DSpark stages and verify each row's drafts in the same forward "
+                        "(lossless); prints the acceptance figures")
     _add_chat_options(p)
     _add_model_options(p)
     _add_sampling_options(p)
@@ -184,7 +184,8 @@ def generation_config(args, stop_strings=(), stop_ids=()):
                               min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                             stop_strings=tuple(stop_strings), stop_token_ids=tuple(stop_ids),
-                            max_context=args.max_context, ignore_eos=getattr(args, "ignore_eos", False))
+                            max_context=args.max_context, ignore_eos=getattr(args, "ignore_eos", False),
+                            speculative=getattr(args, "speculative", False))
 
 
 # ------------------------------------------------------------------------------------ generate
@@ -265,21 +266,6 @@ def encode_case(tokenizer, case, args) -> list[int]:
     return tokenizer.encode_prompt(text)
 
 
-def _speculative(model, tokenizer, prompts, config) -> int:
-    if len(prompts) != 1:
-        raise CliError("--speculative takes one prompt")
-    result = speculative_generate(model, prompts[0], config.max_new_tokens, params=config.sampling,
-                                  seed=config.seed, eos_id=None if config.ignore_eos else tokenizer.eos_id,
-                                  max_seq_len=config.max_context)
-    print(tokenizer.decode(result.token_ids), flush=True)
-    st = result.stats
-    rate = len(result.token_ids) / result.seconds if result.seconds > 0 else 0.0
-    print(f"generated {len(result.token_ids)} tokens in {result.seconds:.2f} s ({rate:.1f} tok/s); "
-          f"{st.cycles} verify passes, mean accepted length {st.mean_accepted_length:.2f}, accepted per draft "
-          f"position {st.per_position}", file=sys.stderr, flush=True)
-    return 0
-
-
 def cmd_generate(args) -> int:
     cases = prompt_cases(args)
     path = checkpoint_dir(args)
@@ -288,16 +274,16 @@ def cmd_generate(args) -> int:
     config = generation_config(args, args.stop, args.stop_id)
     check_prompts(prompts, args.max_context, tokenizer.vocab_size)     # before the (slow) load
     model = load_model(path, args, len(prompts))
-    if args.speculative:
-        return _speculative(model, tokenizer, prompts, config)
+    if args.speculative and not model.cfg.dspark_enabled:
+        raise CliError("--speculative needs a checkpoint with DSpark stages (n_mtp_layers > 0)")
     single = len(prompts) == 1
     completions = generate_all(model, tokenizer, prompts, config, echo_to(sys.stdout) if single else None)
     if single:
         print(flush=True)
     for c in completions:
         if not single:
-            print(f"=== completion {c.row} ===\n{c.text}", flush=True)
-        label = "" if single else f"[completion {c.row}] "
+            print(f"=== completion {c.request} ===\n{c.text}", flush=True)
+        label = "" if single else f"[completion {c.request}] "
         print(label + c.summary(), file=sys.stderr, flush=True)
     return 0
 

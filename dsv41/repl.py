@@ -5,6 +5,11 @@ Each user line is appended to the history and the whole conversation is re-encod
 parser would reject every reply: TOKENIZER-AND-CHAT.md §9 pitfall 1) and appended as an assistant
 message. Lines come from stdin, so a pipe drives it as well as a terminal; command feedback and stats
 go to stderr, the model's text to stdout.
+
+The conversation runs on one engine, which keeps the finished turn in its cache slot: when the next
+prompt's text starts with the previous prompt and the reply (chat mode; thinking mode drops old
+reasoning, so it does not), the next prompt's ids are the previous ones, the reply's ids and the new
+text's, and the engine continues the kept slot instead of prefilling the conversation again.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from collections.abc import Callable, Iterator
 from typing import TextIO
 
 from .chat import encode_messages, parse_completion, resolve_reasoning_effort
-from .engine.generate import GenerationConfig, StreamEvent, generate_all
+from .engine.engine import Engine, GenerationConfig, generate_all
+from .engine.request import Completion, StreamEvent
 from .tokenizer import Tokenizer
 
 COMMANDS = (
@@ -53,6 +59,18 @@ class ChatSession:
         self.thinking = thinking
         self.effort = None if effort is None else resolve_reasoning_effort(effort)
         self.history: list[dict] = []
+        self.last: tuple[str, list[int]] | None = None
+        """(text, ids) of the last turn's prompt followed by its reply, as the engine's slot holds it."""
+
+    def prompt_ids(self, tokenizer: Tokenizer, text: str) -> list[int]:
+        """The ids of a rendered prompt, extending the last turn's ids where the text extends them."""
+        if self.last is not None and text.startswith(self.last[0]):
+            return self.last[1] + tokenizer.encode(text[len(self.last[0]):])
+        return tokenizer.encode_prompt(text)
+
+    def remember(self, tokenizer: Tokenizer, text: str, prompt: list[int], completion: Completion) -> None:
+        reply = completion.token_ids
+        self.last = (text + tokenizer.decode(reply), prompt + reply)
 
     @property
     def mode(self) -> str:
@@ -66,6 +84,7 @@ class ChatSession:
 # ------------------------------------------------------------------------------------ commands
 def _clear(session: ChatSession, arg: str) -> str:
     session.history.clear()
+    session.last = None
     return "conversation cleared"
 
 
@@ -117,19 +136,21 @@ def assistant_message(text: str, mode: str) -> dict:
     return message
 
 
-def chat_turn(model, tokenizer: Tokenizer, session: ChatSession, user_text: str, config: GenerationConfig,
-              out: TextIO) -> None:
+def chat_turn(engine: Engine, tokenizer: Tokenizer, session: ChatSession, user_text: str,
+              config: GenerationConfig, out: TextIO) -> None:
     """Generate one reply, streaming it to `out`; the history grows only when the turn succeeds."""
     messages = session.messages(user_text)
-    prompt = tokenizer.encode_prompt(encode_messages(messages, session.mode, reasoning_effort=session.effort))
+    text = encode_messages(messages, session.mode, reasoning_effort=session.effort)
+    prompt = session.prompt_ids(tokenizer, text)
     try:
-        [completion] = generate_all(model, tokenizer, [prompt], config, echo_to(out))
+        [completion] = generate_all(engine.model, tokenizer, [prompt], config, echo_to(out), engine=engine)
     except ValueError as e:                          # the conversation no longer fits the context
         _note(f"dsv41: error: {e} (/clear starts over)")
         return
     out.write("\n")
     out.flush()
     session.history += [messages[-1], assistant_message(completion.text, session.mode)]
+    session.remember(tokenizer, text, prompt, completion)
     _note(completion.summary())
 
 
@@ -146,6 +167,8 @@ def input_lines(interactive: bool) -> Iterator[str]:
 
 def run_chat(model, tokenizer: Tokenizer, session: ChatSession, config: GenerationConfig,
              lines: Iterator[str], out: TextIO) -> None:
+    # two slots: the turn being generated, and the last one kept for reuse
+    engine = Engine(model, tokenizer, config.engine(2))
     for line in lines:
         text = line.strip()
         if not text:
@@ -154,4 +177,4 @@ def run_chat(model, tokenizer: Tokenizer, session: ChatSession, config: Generati
             if not run_command(session, text):
                 return
             continue
-        chat_turn(model, tokenizer, session, text, config, out)
+        chat_turn(engine, tokenizer, session, text, config, out)

@@ -88,6 +88,23 @@ def run_chunks(model: Transformer, ids: torch.Tensor, bounds: list[int]):
     return torch.cat(hidden, 1), (torch.cat(dspark, 1) if dspark[0] is not None else None)
 
 
+def engine_run(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *, speculative: bool = False,
+               sampling=None, seeds=None, n_slots: int | None = None, **engine_kw):
+    """Completions of prompts run together on one engine (EOS ignored: the tiny configs have no tokenizer)."""
+    from dsv41.engine.engine import Engine, EngineConfig
+    from dsv41.engine.request import Request
+    from dsv41.engine.sampling import SamplingParams
+
+    sampling = sampling or SamplingParams(temperature=0.0)
+    config = EngineConfig(n_slots=n_slots or len(prompts), speculative=speculative, **engine_kw)
+    engine = Engine(model, None, config)
+    for i, prompt in enumerate(prompts):
+        engine.submit(Request(tuple(prompt), max_new_tokens=max_new_tokens, sampling=sampling, ignore_eos=True,
+                              seed=None if seeds is None else seeds[i]))
+    done = [e.completion for e in engine.run() if e.completion is not None]
+    return sorted(done, key=lambda c: c.request)
+
+
 @torch.no_grad()
 def greedy_tokens(model: Transformer, prompt: list[int], n: int) -> list[int]:
     """Plain greedy decoding: a prefill of the prompt, then one single-token call per position."""

@@ -15,6 +15,7 @@ from dsv41.model.indexer import Indexer, candidate_blocks, select_topk, visible_
 from dsv41.model.init import init_random_
 from dsv41.model.numerics import FAST, Numerics
 from dsv41.model.rope import Rotary
+from dsv41.model.step import Step
 
 import helpers
 
@@ -45,7 +46,7 @@ def window_rows_brute_force(start_pos, T, W):
 def test_window_indices_against_brute_force(W, reference_layout):
     for start_pos in range(0, 21):
         for T in range(1, 13):
-            got = window_indices(start_pos, T, W, reference_layout=reference_layout)
+            got = window_indices(Step.uniform(1, start_pos, T, reference_layout=reference_layout), W)
             # the reference lists min(T, W) entries in a call from 0; the canonical layout always W
             width = min(T, W) if reference_layout and start_pos == 0 else W
             assert got.shape == (T, width)
@@ -59,15 +60,29 @@ def test_window_indices_against_brute_force(W, reference_layout):
 
 
 def test_window_indices_wrap_around_example():
+    one = lambda start, T, **kw: window_indices(Step.uniform(1, start, T, **kw), 4).tolist()
     # W = 4, decode at p = 9: positions 6, 7, 8 from ring slots 2, 3, 0 and p itself from call row 0
-    assert window_indices(9, 1, 4).tolist() == [[2, 3, 0, 4]]
+    assert one(9, 1) == [[2, 3, 0, 4]]
     # the reference's prefill from 0 lists min(T, W) entries, valid first: query 1 sees 0, 1
-    assert window_indices(0, 3, 4, reference_layout=True).tolist()[1] == [4, 5, -1]
+    assert one(0, 3, reference_layout=True)[1] == [4, 5, -1]
     # decode before the ring is full lists W entries, −1 (positions before 0) first
-    assert window_indices(2, 1, 4).tolist() == [[-1, 0, 1, 4]]
+    assert one(2, 1) == [[-1, 0, 1, 4]]
     # the canonical layout gives a position the same list in a prefill as in a decode step:
     # position 2 seen by a prefill of 3 from 0 (call rows 4, 5, 6) and by a decode step at 2
-    assert window_indices(0, 3, 4).tolist()[2] == [-1, 4, 5, 6]
+    assert one(0, 3)[2] == [-1, 4, 5, 6]
+
+
+def test_window_indices_of_a_mixed_step_are_each_rows_own():
+    """Rows at different positions in one call: each token lists what it would alone, with ring entries
+    moved to its row's ring (b·W + slot) and call entries to its row's tokens (B·W + the row's offset)."""
+    W, starts, counts = 4, (0, 9, 2, 30), (3, 1, 5, 6)
+    mixed = window_indices(Step((5, 1, 7, 0), starts, counts), W)
+    B, first = len(starts), 0
+    for b, (start, count) in enumerate(zip(starts, counts)):
+        alone = window_indices(Step.uniform(1, start, count), W)
+        moved = torch.where(alone < 0, -1, torch.where(alone < W, b * W + alone, B * W + first + alone - W))
+        assert torch.equal(mixed[first:first + count], moved), b
+        first += count
 
 
 # ------------------------------------------------------------------------------------------ sparse attention
@@ -272,6 +287,12 @@ def fresh_state(B, ratio, head_dim=64):
     return SourceState(kv=None, index_keys=None, tail_kv=tail, tail_score=torch.full_like(tail, NEG_INF))
 
 
+def compress_rows(comp, x, start, state):
+    """The compressor on each row b of x [B, T, D] (slot b of the state) → (latents [B, g, Dh], first)."""
+    outs = [comp(x[b], start, state, b) for b in range(x.shape[0])]
+    return torch.stack([o[0] for o in outs]), outs[0][1]
+
+
 def pooled_by_formula(comp, x):
     """§11.3 r = 2: per channel c, Σ_t softmax_t(g_{t,c}) · a_{t,c} over each group, then RMSNorm (float64)."""
     xd = x.double()
@@ -294,7 +315,7 @@ def rms_norm(x, weight, eps=1e-20):
 def test_compressor_ratio_2_pools_by_per_channel_softmax():
     comp, dtype = make_compressor(2, "fast")
     x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(11))
-    latent, first = comp(x, 0, fresh_state(2, 2))
+    latent, first = compress_rows(comp, x, 0, fresh_state(2, 2))
     assert first == 0 and latent.shape == (2, 4, 64)
     expect = rms_norm(pooled_by_formula(comp, x), comp.norm.weight)
     torch.testing.assert_close(latent.double(), expect, rtol=0, atol=1e-5)
@@ -304,7 +325,7 @@ def test_compressor_ratio_2_reference_numerics():
     comp, dtype = make_compressor(2, "reference")
     assert comp.wkv.weight.dtype == torch.float32 and comp.wgate.weight.dtype == torch.float32
     x = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
-    latent, _ = comp(x, 0, fresh_state(1, 2))
+    latent, _ = compress_rows(comp, x, 0, fresh_state(1, 2))
     assert latent.dtype == torch.bfloat16
     pooled = pooled_by_formula(comp, x).to(torch.bfloat16).double()      # bf16(pooled) before the norm
     expect = rms_norm(pooled, comp.norm.weight)
@@ -316,11 +337,11 @@ def test_compressor_ratio_2_reference_numerics():
 def test_compressor_chunk_split_invariance(bounds):
     comp, _ = make_compressor(2, "fast")
     x = torch.randn(2, 11, 64, generator=torch.Generator().manual_seed(13))
-    whole, _ = comp(x, 0, fresh_state(2, 2))                            # 5 groups; position 10 waits
+    whole, _ = compress_rows(comp, x, 0, fresh_state(2, 2))                            # 5 groups; position 10 waits
     state = fresh_state(2, 2)
     rows = {}
     for a, b in zip(bounds[:-1], bounds[1:]):
-        latent, first = comp(x[:, a:b], a, state)
+        latent, first = compress_rows(comp, x[:, a:b], a, state)
         assert first == a // 2
         for i in range(latent.shape[1]):
             rows[first + i] = latent[:, i]
@@ -329,8 +350,8 @@ def test_compressor_chunk_split_invariance(bounds):
     torch.testing.assert_close(torch.stack([rows[j] for j in range(5)], 1), whole, rtol=0, atol=1e-5)
     # the odd tail is carried: one more position completes group 5 exactly as a one-shot call would
     y = torch.randn(2, 1, 64, generator=torch.Generator().manual_seed(14))
-    latent, first = comp(y, 11, state)
-    ref, _ = comp(torch.cat([x, y], 1), 0, fresh_state(2, 2))
+    latent, first = compress_rows(comp, y, 11, state)
+    ref, _ = compress_rows(comp, torch.cat([x, y], 1), 0, fresh_state(2, 2))
     assert first == 5
     torch.testing.assert_close(latent[:, 0], ref[:, 5], rtol=0, atol=1e-6)
 
@@ -339,9 +360,9 @@ def test_compressor_ratio_1_is_a_normed_projection():
     comp, _ = make_compressor(1, "fast")
     assert not hasattr(comp, "wgate")
     x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(15))
-    latent, first = comp(x, 7, None)
+    latent, first = comp(x[0], 7, None, 0)
     assert first == 7
-    expect = rms_norm(x.double() @ comp.wkv.weight.double().t(), comp.norm.weight)
+    expect = rms_norm(x[0].double() @ comp.wkv.weight.double().t(), comp.norm.weight)
     torch.testing.assert_close(latent.double(), expect, rtol=0, atol=1e-5)
 
 
@@ -425,23 +446,27 @@ def test_indexer_reference_numerics_quantises_queries():
 # ------------------------------------------------------------------------------------------ stale index keys
 
 def capture_layer(model, layer):
-    """Record (x, step, cache) of every call of layer `layer`'s attention and its published selection."""
+    """Record (x, selection, step) of every call of layer `layer`'s attention."""
     seen = []
 
     def hook(module, args, output):
-        x, step, cache = args
-        seen.append((x, step.selections[layer].clone(), step))
+        x, step, handoff, cache = args
+        seen.append((x, handoff.selections[layer].clone(), step))
     model.layers[layer].attn.register_forward_hook(hook)
     return seen
 
 
 def expected_selection(model, layer, x, step, keys):
+    """Each row's tokens scored against its own slot's rows of `keys` [S, L, Di], then top-K (§11.6)."""
     attn = model.layers[layer].attn
     qr = attn.q_norm(attn.wq_a(x))
-    C = (step.start_pos + step.length) // attn.role.ratio
-    visible = visible_counts(step.start_pos, step.length, attn.role.ratio)
-    scores = attn.indexer.scores(x, qr, keys[:, :C], step.positions, visible, attn.rotary)
-    return select_topk(scores, visible, model.cfg.index_topk)
+    C, visible = step.compressed_rows(attn.role.ratio), step.visible(attn.role.ratio)
+    parts = []
+    for b, slot in enumerate(step.slots):
+        seg = step.tokens_of(b)
+        parts.append(attn.indexer.scores(x[:, seg], qr[:, seg], keys[slot:slot + 1, :C], step.positions[seg],
+                                         visible[seg], attn.rotary))
+    return select_topk(torch.cat(parts, dim=1), visible, model.cfg.index_topk)[0]
 
 
 @torch.no_grad()

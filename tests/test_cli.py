@@ -24,7 +24,7 @@ from dsv41 import cli
 from dsv41.chat import encode_messages
 from dsv41.config import RELEASED_CONFIG, RuntimeConfig
 from dsv41.demo import DEMO_NAME
-from dsv41.engine.generate import GenerationConfig, generate_all
+from dsv41.engine.engine import GenerationConfig, generate_all
 from dsv41.engine.sampling import SamplingParams
 from dsv41.engine.score import score
 from dsv41.tokenizer import Tokenizer
@@ -214,9 +214,9 @@ def test_chat_session_commands_and_history(demo_dir, capsys):
     assert session.history == []
 
 
-def test_generate_speculative_prints_acceptance(cli_env):
-    run = dsv41_cmd(cli_env, "generate", "--speculative", "--temperature", "0", "--max-new-tokens", "8", "Hi")
-    assert run.returncode == 0, run.stderr
-    assert re.search(r"generated \d+ tokens in [\d.]+ s .*mean accepted length [\d.]+", run.stderr)
-    two = dsv41_cmd(cli_env, "generate", "--speculative", "a", "b")
-    assert two.returncode == 2 and "--speculative takes one prompt" in two.stderr
+def test_generate_speculative_equals_plain_greedy_and_prints_acceptance(cli_env):
+    args = ("generate", "--raw", "--temperature", "0", "--ignore-eos", "--max-new-tokens", "12", "Hi", "The quick")
+    plain, spec = dsv41_cmd(cli_env, *args), dsv41_cmd(cli_env, args[0], "--speculative", *args[1:])
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    assert len(re.findall(r"accepted \d+/\d+ drafts", spec.stderr)) == 2

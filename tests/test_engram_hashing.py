@@ -175,7 +175,7 @@ def test_t2_vector_rows_digest_and_lookback(layout):
     rows = [ints(r) for r in T2_ROWS.strip().splitlines()]
     assert out[0].reshape(16, 24).tolist() == rows
     assert digest(out) == T2_DIGEST
-    assert lookback_tokens(history, 0, 8, 1, PAD, 4)[0].tolist() == T2_LOOKBACK
+    assert lookback_tokens(history, torch.zeros(8, dtype=torch.long), torch.arange(8), PAD, 4).tolist() == T2_LOOKBACK
 
 
 def test_t2_prefill_then_single_steps(layout):
@@ -228,7 +228,7 @@ def test_dead_position_latches_and_blocks_ngrams(layout):
     history = EngramHistory.create(1, 8)
     out = run_hash(layout, ids, history=history, mask=mask)
     assert history.ids[0].tolist() == [5, 6, 7, DEAD, 9, 10, 11, 12]
-    tok = lookback_tokens(history, 0, 8, 1, PAD, 4)[0].tolist()
+    tok = lookback_tokens(history, torch.zeros(8, dtype=torch.long), torch.arange(8), PAD, 4).tolist()
     assert tok[3] == [PAD] * 4  # the DEAD position itself hashes as all-pad
     assert tok[4] == [9, PAD, PAD, PAD]  # look-back stops at the DEAD position ...
     assert tok[5] == [10, 9, PAD, PAD]

@@ -8,15 +8,19 @@ here.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import dsv41
 from dsv41.model.cache import ModelCache
+from dsv41.model.step import Step
 from dsv41.chat import BOS
 from dsv41.config import RuntimeConfig
-from dsv41.engine.generate import GenerationConfig, StopStringFilter, generate, generate_all
+from dsv41.engine.engine import GenerationConfig, generate, generate_all
+from dsv41.engine.request import StopStringFilter
 from dsv41.model import ModelOutput
 from dsv41.engine.sampling import SamplingParams
 from dsv41.engine.score import score
@@ -43,22 +47,27 @@ def fast_model(demo_dir):
 
 
 class SuccessorModel:
-    """Mock with the engine's model interface: the next token after t is (t + 1) mod V. Records calls."""
+    """Mock with the engine's model interface (dsv41.engine.protocol): the next token after t is
+    (t + 1) mod V. Records each forward's rows as ((start, count), …)."""
 
     def __init__(self, vocab: int, max_seq_len: int = CONTEXT):
         self.vocab = vocab
+        self.cfg = SimpleNamespace(vocab_size=vocab, dspark_enabled=False, dspark_block_size=0)
         self.runtime = RuntimeConfig(max_seq_len=max_seq_len)
         self.device = torch.device("cpu")
-        self.calls: list[tuple[int, int]] = []          # (start_pos, T)
+        self.calls: list[tuple[tuple[int, int], ...]] = []
 
-    def new_cache(self, batch_size: int, max_seq_len: int) -> ModelCache:
-        return ModelCache(batch_size=batch_size, max_seq_len=max_seq_len, window={}, sources={})
+    def new_cache(self, n_slots: int, max_seq_len: int) -> ModelCache:
+        return ModelCache(n_slots=n_slots, max_seq_len=max_seq_len, window={}, sources={})
 
-    def __call__(self, ids: torch.Tensor, start_pos: int, cache: ModelCache, token_types=None) -> ModelOutput:
-        cache.check_call(start_pos, ids.shape[1], ids.shape[0])
-        cache.length = start_pos + ids.shape[1]
-        self.calls.append((start_pos, ids.shape[1]))
-        return ModelOutput(hidden=ids.float()[..., None], dspark_hidden=None)
+    def step(self, slots, starts, counts) -> Step:
+        return Step(tuple(slots), tuple(starts), tuple(counts))
+
+    def __call__(self, ids: torch.Tensor, step: Step, cache: ModelCache) -> ModelOutput:
+        cache.begin(step)
+        cache.advance(step)
+        self.calls.append(tuple(zip(step.starts, step.counts)))
+        return ModelOutput(hidden=ids.float()[:, None], dspark_hidden=None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         successor = (hidden[..., 0].long() + 1) % self.vocab
@@ -108,7 +117,7 @@ def test_context_limit(mock, tok):
     [c] = run(mock, tok, [[7, 8, 9]], max_new_tokens=10, max_context=6)
     assert c.token_ids == [10, 11, 12]
     assert c.finish_reason == "context"
-    assert max(s + t for s, t in mock.calls) <= 6
+    assert max(s + t for call in mock.calls for s, t in call) <= 6
 
 
 def test_prompt_filling_the_context_returns_nothing_without_a_call(mock, tok):
@@ -135,20 +144,21 @@ def test_stop_string_is_cut_from_text_and_never_streamed(mock, tok):
     assert "".join(e.text for e in events) == full[:at]
 
 
-def test_each_row_stops_on_its_own_and_rows_in_their_prompt_are_teacher_forced(mock, tok):
+def test_rows_at_their_own_positions_stop_on_their_own(mock, tok):
     prompts = [[5], [100, 200, 300], [50, 51]]
     got = run(mock, tok, prompts, max_new_tokens=4, stop_token_ids=(8,))
-    # row 1 is fed 200 and 300 at positions 1 and 2: a sample there would have been 101
     assert [c.token_ids for c in got] == [[6, 7], [301, 302, 303, 304], [52, 53, 54, 55]]
     assert [c.finish_reason for c in got] == ["stop", "length", "length"]
-    # prefill of the common length, then one position per call until the last row is done (position 6)
-    assert mock.calls == [(0, 1)] + [(p, 1) for p in range(1, 6)]
+    # one forward prefills every prompt whole, then each row decodes at its own position; row 0 leaves
+    # the batch as soon as it stops
+    assert mock.calls == [((0, 1), (0, 3), (0, 2)), ((1, 1), (3, 1), (2, 1)), ((2, 1), (4, 1), (3, 1)),
+                          ((5, 1), (4, 1))]
 
 
 def test_chunked_prefill_call_pattern(mock, tok):
     [c] = run(mock, tok, [list(range(20, 27))], max_new_tokens=3, prefill_chunk=3)
     assert c.token_ids == [27, 28, 29]
-    assert mock.calls == [(0, 3), (3, 3), (6, 1), (7, 1), (8, 1)]
+    assert mock.calls == [((0, 3),), ((3, 3),), ((6, 1),), ((7, 1),), ((8, 1),)]
 
 
 def test_prompt_too_long_fails_before_any_model_call(mock, tok):
@@ -167,7 +177,7 @@ def test_empty_prompt_and_bad_ids_are_rejected(mock, tok):
 def test_stream_events_concatenate_to_the_text(mock, tok):
     events = list(generate(mock, tok, [[300], [450, 451]], GenerationConfig(max_new_tokens=12, sampling=GREEDY)))
     for row in (0, 1):
-        mine = [e for e in events if e.row == row]
+        mine = [e for e in events if e.request == row]
         [c] = [e.completion for e in mine if e.completion]
         assert "".join(e.text for e in mine) == c.text == tok.decode(c.token_ids)
         assert [e.token_id for e in mine if e.token_id is not None] == c.token_ids

@@ -95,10 +95,10 @@ def _interleaved_groups(self, o):
     return self.numerics.einsum("btgi,gri->btgr", groups, wo_a).flatten(2)
 
 
-def _ffn_reads_attention_pre(self, x, pre, step, cache, image_mask):
+def _ffn_reads_attention_pre(self, x, pre, step, handoff, cache, image_mask):
     """The FFN collapses the streams with the pre-mix the attention used (not the lagging one, trap 1)."""
     pre_attn, post, comb = self._mixes(x, "attn")
-    o = self.attn(self.attn_norm(hyper.collapse(x, pre)), step, cache)
+    o = self.attn(self.attn_norm(hyper.collapse(x, pre)), step, handoff, cache)
     x = hyper.expand(o, x, post, comb)
     pre_ffn, post, comb = self._mixes(x, "ffn")
     m = self.ffn(self.ffn_norm(hyper.collapse(x, pre)), image_mask)

@@ -20,10 +20,9 @@ import helpers
 from dsv41.model import indexer
 from dsv41.model.attention import Attention
 from dsv41.config import RuntimeConfig
-from dsv41.engine.generate import GenerationConfig, generate_all
+from dsv41.engine.engine import GenerationConfig, generate_all
 from dsv41.engine.sampling import SamplingParams
 from dsv41.engine.score import score
-from dsv41.engine.speculative import speculative_generate
 from dsv41.tokenizer import Tokenizer
 
 LENGTH = 40
@@ -52,16 +51,15 @@ class Selections:
                         if layer.attn.role.is_index_source]
 
     def _hook(self, module: Attention, args, _out):
-        step = args[1]
+        step, handoff = args[1], args[2]
         layer = module.role.layer_id
-        picked = step.selections.get(layer)
-        for b in range(picked.shape[0]):
-            for t in range(picked.shape[1]):
-                key = (layer, b, step.start_pos + t)
-                self.seen[key] = [j for j in picked[b, t].tolist() if j >= 0]
-                if layer in step.candidates:
-                    visible = (step.start_pos + t + 1) // module.role.ratio
-                    self.blocks[key] = step.candidates[layer][b, t, :visible].nonzero().flatten().tolist()
+        picked = handoff.selections[layer]                                      # [N, k]
+        for i, (slot, position) in enumerate(zip(step.token_slot.tolist(), step.positions.tolist())):
+            key = (layer, slot, position)
+            self.seen[key] = [j for j in picked[i].tolist() if j >= 0]
+            if layer in handoff.candidates:
+                visible = (position + 1) // module.role.ratio
+                self.blocks[key] = handoff.candidates[layer][0, i, :visible].nonzero().flatten().tolist()
 
     def remove(self):
         for h in self.handles:
@@ -170,7 +168,8 @@ def demo(demo_dir):
 def test_demo_speculative_greedy_equals_greedy(demo, text, n):
     model, tok = demo
     prompt = tok.encode(text)
-    assert speculative_generate(model, prompt, n).token_ids == helpers.greedy_tokens(model, prompt, n)
+    [c] = helpers.engine_run(model, [prompt], n, speculative=True)
+    assert c.token_ids == helpers.greedy_tokens(model, prompt, n)
 
 
 def test_demo_batch_equals_solo_at_temperature_0(demo):

@@ -59,7 +59,7 @@ def test_dspark_hidden_is_the_mean_of_the_streams_entering_the_targets(fast_runs
 
     def capture(layer):
         def hook(module, args):
-            entering[layer] = args[0].float().mean(dim=2)
+            entering[layer] = args[0].float().mean(dim=2)[0].unflatten(0, (2, LENGTH))   # packed [1, N, …]
         return hook
     handles = [model.layers[i].register_forward_pre_hook(capture(i)) for i in (5, 6, 7)]
     try:
@@ -183,7 +183,7 @@ def test_rewinding_is_rejected_and_leaves_the_cache_usable(small_model):
     one, _ = helpers.run_chunks(small_model, ids, [0, LENGTH])
     cache = small_model.new_cache(2, helpers.MAX_SEQ)
     first = small_model(ids[:, :20], 0, cache).hidden
-    with pytest.raises(CacheError, match="rewinds a cache that holds positions 0 … 19: continue at 20"):
+    with pytest.raises(CacheError, match="rewinds slot 0, which holds positions 0 … 19: continue at 20"):
         small_model(ids[:, 18:], 18, cache)
     assert cache.length == 20
     rest = small_model(ids[:, 20:], 20, cache).hidden

@@ -32,7 +32,8 @@ import torch
 import dsv41.model.attention
 import dsv41.model.moe
 from dsv41.model import hyper
-from dsv41.model.attention import Attention, ForwardState
+from dsv41.model.attention import Attention
+from dsv41.model.step import Handoff, Step
 from dsv41.model.indexer import Indexer
 from dsv41.model.rope import Rotary
 
@@ -259,11 +260,23 @@ def block_oracle(cfg, layer_id: int, blocks, X: torch.Tensor, pre_in: torch.Tens
 
 # ------------------------------------------------------------------------------------------ runs of dsv41
 
-def steps(model, bounds):
+def steps(model, cache, bounds):
+    """Per call: (s, e, the step Transformer.forward builds for every row at s … e − 1, a fresh handoff);
+    the cache is opened before the caller runs the layers and advanced after."""
     for s, e in zip(bounds[:-1], bounds[1:]):
-        # the metadata Transformer.forward builds for a call
-        yield s, e, ForwardState(start_pos=s, length=e - s, positions=torch.arange(s, e),
-                                 reference_layout=not model.numerics.invariant)
+        step = model.step(range(B), (s,) * B, (e - s,) * B)
+        cache.begin(step)
+        yield s, e, step, Handoff()
+        cache.advance(step)
+
+
+def pack(x):
+    """[B, T, …] → the packed [1, B·T, …] the layers take."""
+    return x.flatten(0, 1)[None]
+
+
+def unpack(x, T):
+    return x[0].unflatten(0, (B, T))
 
 
 @torch.no_grad()
@@ -271,10 +284,9 @@ def run_attention(model, layers, xs, bounds):
     """Run the attention of `layers` in order, call by call, on one cache → ({layer: out}, cache)."""
     cache = model.new_cache(B, helpers.MAX_SEQ)
     outs = {i: [] for i in layers}
-    for s, e, step in steps(model, bounds):
+    for s, e, step, handoff in steps(model, cache, bounds):
         for i in layers:
-            outs[i].append(model.layers[i].attn(xs[i][:, s:e], step, cache))
-        cache.length = e
+            outs[i].append(unpack(model.layers[i].attn(pack(xs[i][:, s:e]), step, handoff, cache), e - s))
     return {i: torch.cat(o, dim=1) for i, o in outs.items()}, cache
 
 
@@ -282,11 +294,10 @@ def run_attention(model, layers, xs, bounds):
 def run_block(model, layer, X, pre_in, bounds):
     cache = model.new_cache(B, helpers.MAX_SEQ)
     xs, pres = [], []
-    for s, e, step in steps(model, bounds):
-        x, pre = model.layers[layer](X[:, s:e], pre_in[:, s:e], step, cache, None)
-        xs.append(x)
-        pres.append(pre)
-        cache.length = e
+    for s, e, step, handoff in steps(model, cache, bounds):
+        x, pre = model.layers[layer](pack(X[:, s:e]), pack(pre_in[:, s:e]), step, handoff, cache, None)
+        xs.append(unpack(x, e - s))
+        pres.append(unpack(pre, e - s))
     return torch.cat(xs, dim=1), torch.cat(pres, dim=1)
 
 
@@ -329,7 +340,7 @@ def cached_block_oracle(model, layer):
 # ------------------------------------------------------------------------------------------ attention
 
 def record_indexer_scores(monkeypatch) -> list:
-    """Spy on Indexer.scores: (indexer, positions [T], scores [B, T, C]) per call."""
+    """Spy on Indexer.scores: (indexer, positions [T], scores [1, T, C]) per call (one per row)."""
     recorded, real = [], Indexer.scores
 
     def scores(self, x, qr, keys, positions, *args, **kwargs):
@@ -365,12 +376,14 @@ def test_attention_against_float64_oracle(model, cfg, chain, bounds, monkeypatch
             assert d_kv < TOL and d_keys < TOL
         if i in cfg.index_source_layers:
             calls = [(pos, sc) for ix, pos, sc in recorded if ix is model.layers[i].attn.indexer]
-            # one scoring per call that has a compressed position (§11.6: C = 0 runs no indexer)
-            assert len(calls) == sum(1 for end in bounds[1:] if end // r)
-            for pos, sc in calls:
+            # one scoring per row of each call that has a compressed position (§11.6: C = 0 runs no
+            # indexer); the rows of a call score in order
+            assert len(calls) == B * sum(1 for end in bounds[1:] if end // r)
+            for n, (pos, sc) in enumerate(calls):
+                row = n % B
                 seen = torch.arange(sc.shape[-1]) < want["visible"][pos].unsqueeze(-1)      # [T, C]
-                assert torch.isneginf(sc[:, ~seen]).all()
-                d_s = distance(sc[:, seen], want["scores"][:, pos, :sc.shape[-1]][:, seen])
+                assert torch.isneginf(sc[0][~seen]).all()
+                d_s = distance(sc[0][seen], want["scores"][row, pos, :sc.shape[-1]][seen])
                 report(f"layer {i} indexer scores from {pos[0].item()}", d_s)
                 assert d_s < TOL
 
@@ -380,16 +393,15 @@ def test_selection_is_every_visible_position(model):
     chain = CHAINS["token"]
     xs, _ = cached_attention_oracles(model, chain)
     cache = model.new_cache(B, helpers.MAX_SEQ)
-    for s, e, step in steps(model, CHUNKINGS["chunked"]):
+    for s, e, step, handoff in steps(model, cache, CHUNKINGS["chunked"]):
         for i in chain:
-            model.layers[i].attn(xs[i][:, s:e], step, cache)
+            model.layers[i].attn(pack(xs[i][:, s:e]), step, handoff, cache)
         for i in (4, 6):
-            sel = step.selections[i]
+            sel = handoff.selections[i].unflatten(0, (B, e - s))
             vis = (torch.arange(s, e) + 1) // model.cfg.compress_ratios[i]
             j = torch.arange(sel.shape[-1])
             expect = torch.where(j < vis.unsqueeze(-1), j, -1).expand(B, -1, -1)
             assert torch.equal(sel, expect), (i, s)
-        cache.length = e
 
 
 # ------------------------------------------------------------------------------------------ block
@@ -457,15 +469,14 @@ _STACK_ORACLE: dict = {}
 
 @torch.no_grad()
 def run_stack(model, X, pre, bounds):
-    """The block loop of Transformer.forward on a given stream, one ForwardState per call."""
+    """The block loop of Transformer.forward on a given stream, one step per call."""
     cache = model.new_cache(B, helpers.MAX_SEQ)
     hidden = []
-    for s, e, step in steps(model, bounds):
-        x, p = X[:, s:e], pre[:, s:e]
+    for s, e, step, handoff in steps(model, cache, bounds):
+        x, p = pack(X[:, s:e]), pack(pre[:, s:e])
         for block in model.layers:
-            x, p = block(x, p, step, cache, None)
-        hidden.append(hyper.collapse(x, p))
-        cache.length = e
+            x, p = block(x, p, step, handoff, cache, None)
+        hidden.append(unpack(hyper.collapse(x, p), e - s))
     return torch.cat(hidden, dim=1)
 
 
@@ -534,11 +545,11 @@ def test_mutation_interleaved_output_groups(model, monkeypatch):
 
 
 def test_mutation_visibility_one_token_early(model, monkeypatch):
-    def visible_counts(start_pos, length, ratio, device=None):
+    def visible(self, ratio):
         # a group visible from its last token on (p // r + 1 for r = 2) instead of after it (trap 9)
-        return (torch.arange(start_pos, start_pos + length, device=device) + ratio) // ratio
+        return (self.positions + ratio) // ratio
 
-    monkeypatch.setattr(dsv41.model.attention, "visible_counts", visible_counts)
+    monkeypatch.setattr(Step, "visible", visible)
     d = mutated_attention_distance(model)
     report("mutation: visibility one token early", d)
     assert d > MUTATION_FACTOR * TOL

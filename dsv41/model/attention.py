@@ -1,78 +1,59 @@
 """Attention of DeepSeek-V4.1: one shared K=V latent, a sliding window, compressed sparse attention.
 
-Shapes: B batch, T query positions, D dim, Qr query rank, H heads, Dh head dim (= latent width),
-R rope dim, G output groups, Or output rank per group, W window, C compressed positions, K top-k,
-N = W + T + C rows of the key pool a call attends over.
+Shapes: B rows of the call (cache slots), N packed tokens of the call (step.py), D dim, Qr query rank,
+H heads, Dh head dim (= latent width), R rope dim, G output groups, Or output rank per group, W window,
+C compressed positions read per row, K top-k, n entries of a token's attention list.
 
-Every layer attends to the last W positions (ring of the cache + the call's own rows). Layers with a
-compress ratio also attend to up to K compressed positions chosen by their index source; kv sources
-compress their own KV, everyone else reads their kv source's rows (ARCHITECTURE.md §3, §11). What a
-source hands to the layers after it within one forward lives in `ForwardState`, not in a global.
+Every layer attends to the last W positions (the row's ring in the cache + the row's own tokens in the
+call). Layers with a compress ratio also attend to up to K compressed positions chosen by their index
+source; kv sources compress their own KV, everyone else reads their kv source's rows (ARCHITECTURE.md
+§3, §11). The key pool of a call is [rings (B·W) | call tokens (N) | compressed rows (B·C)], and each
+token's list indexes into its own row's parts only. What a source hands to the layers after it within
+one forward lives in a `Handoff`, not in a global.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-import torch.nn.functional as F
-
-from .cache import ModelCache
-from .compressor import Compressor
 from ..config import ModelConfig
-from .indexer import Indexer, candidate_blocks, select_topk, visible_counts
+from .cache import ModelCache, SourceState
+from .compressor import Compressor
+from .indexer import Indexer, candidate_blocks, select_topk
 from .layers import Linear, RMSNorm, dense_storage
 from .numerics import Numerics
 from .roles import LayerRole
 from .rope import Rotary
+from .step import Handoff, Step
 
 # Largest negative logit the running max starts from (§11.7).
 SCORE_FLOOR = -1e30
 
 
-@dataclass
-class ForwardState:
-    """Per-call metadata shared by all layers of one forward (explicit, STYLE.md P4)."""
+def window_indices(step: Step, window: int) -> torch.Tensor:
+    """[N, n] pool rows each token sees in its window (−1 for none), pool = [rings (B·W) | call (N) | …].
 
-    start_pos: int
-    length: int
-    positions: torch.Tensor                      # [T] absolute positions
-    reference_layout: bool = False
-    """List the window as the reference does (a call from position 0 lists only its own rows); else
-    every call lists W entries per query, the one layout invariant kernels need (numerics.py)."""
-    stale_index_keys: bool = False
-    selections: dict[int, torch.Tensor] = field(default_factory=dict)   # index source → [B, T, k] rows or −1
-    candidates: dict[int, torch.Tensor] = field(default_factory=dict)   # candidate source → [B, T, C] mask
-    _window_rows: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def window_rows(self, window: int) -> torch.Tensor:
-        """[T, W] window pool rows, the same for every layer of the call (computed once)."""
-        if window not in self._window_rows:
-            self._window_rows[window] = window_indices(self.start_pos, self.length, window, self.positions.device,
-                                                       reference_layout=self.reference_layout)
-        return self._window_rows[window]
-
-
-def window_indices(start_pos: int, length: int, window: int, device=None, *,
-                   reference_layout: bool = False) -> torch.Tensor:
-    """[T, n] pool rows each query sees in its window (−1 for none), pool = [ring (W) | call (T) | …].
-
-    Query p sees positions max(0, p − W + 1) … p: those before the call from ring slot q mod W, the
-    rest from the call's own rows (generalises §11.2 to any start and length). Each query lists W
-    entries, oldest first, −1 for positions before 0 — the layout of the reference's decode step. The
-    order matters because the blockwise softmax rounds per block of 64 entries (§11.7): with
-    `reference_layout` a call from position 0 lists min(T, W) entries, valid ones first, as the
-    reference's prefill does, which gives other bits than its decode for the same position
-    (docs/NUMERICS.md N3).
+    Token i of row b at position p sees positions max(0, p − W + 1) … p: those before the row's start
+    from ring slot q mod W of the row's ring, the rest from the row's own tokens in the call (generalises
+    §11.2 to any start and length, row by row). Each token lists W entries, oldest first, −1 for
+    positions before 0 — the layout of the reference's decode step. The order matters because the
+    blockwise softmax rounds per block of 64 entries (§11.7): with `step.reference_layout`, a call whose
+    rows all start at 0 lists min(T, W) entries, valid ones first, as the reference's prefill does, which
+    gives other bits than its decode for the same position (docs/NUMERICS.md N3).
     """
-    p = torch.arange(start_pos, start_pos + length, device=device).unsqueeze(1)
-    if reference_layout and start_pos == 0:
-        q = (p - window + 1).clamp(min=0) + torch.arange(min(length, window), device=device)
-        return torch.where(q <= p, window + q, -1)
-    q = p - window + 1 + torch.arange(window, device=device)                  # [T, W] positions
-    rows = torch.where(q >= start_pos, window + (q - start_pos), q % window)
+    device, B = step.positions.device, step.n_rows
+    p = step.positions.unsqueeze(1)                                            # [N, 1]
+    first = torch.tensor(step.offsets, device=device)[step.row].unsqueeze(1)    # the row's first token
+    start = p - step.token_rank.unsqueeze(1)
+    call = B * window + first                                                  # pool index of the row's start
+    if step.reference_layout and not any(step.starts):
+        q = (p - window + 1).clamp(min=0) + torch.arange(min(max(step.counts), window), device=device)
+        return torch.where(q <= p, call + q, -1)
+    q = p - window + 1 + torch.arange(window, device=device)                  # [N, W] positions
+    ring = step.row.unsqueeze(1) * window + q % window
+    rows = torch.where(q >= start, call + (q - start), ring)
     return torch.where(q >= 0, rows, -1)
 
 
@@ -148,24 +129,26 @@ class Attention(nn.Module):
                         if role.is_index_source else None)
 
     # -------------------------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor, step: ForwardState, cache: ModelCache) -> torch.Tensor:
-        """x [B, T, D] (after attn_norm) → [B, T, D]."""
-        B, T, _ = x.shape
-        pos = step.positions
-        qr = self.q_norm(self.wq_a(x))                                              # [B, T, Qr]
-        q = self.rotary.rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos)   # [B, T, H, Dh]
-        kv = self.numerics.qdq_window(self.rotary.rotate(self.kv_norm(self.wkv(x)), pos))      # [B, T, Dh]
+    def forward(self, x: torch.Tensor, step: Step, handoff: Handoff, cache: ModelCache) -> torch.Tensor:
+        """x [1, N, D] (the call's packed tokens after attn_norm) → [1, N, D]."""
+        pos, layer = step.positions, self.role.layer_id
+        qr = self.q_norm(self.wq_a(x))                                              # [1, N, Qr]
+        q = self.rotary.rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos)   # [1, N, H, Dh]
+        kv = self.numerics.qdq_window(self.rotary.rotate(self.kv_norm(self.wkv(x)), pos))      # [1, N, Dh]
 
-        ring = cache.window[self.role.layer_id]
-        pool = torch.cat([ring, kv], dim=1)                                         # [B, W + T, Dh]
-        rows = step.window_rows(self.window).expand(B, -1, -1)
+        pool = [cache.read_window(layer, step), kv[0]]                              # [B·W + N, Dh]
+        if self.window not in handoff.window_rows:
+            handoff.window_rows[self.window] = window_indices(step, self.window)
+        rows = handoff.window_rows[self.window]                                     # [N, W]
         if self.role.ratio:
-            compressed, selected = self._compressed(x, qr, step, cache)
-            pool = torch.cat([pool, compressed], dim=1)
-            rows = torch.cat([rows, torch.where(selected >= 0, selected + self.window + T, -1)], dim=-1)
+            compressed, selected = self._compressed(x, qr, step, handoff, cache)   # [B·C, Dh], [N, k]
+            C = compressed.shape[0] // step.n_rows
+            base = sum(p.shape[0] for p in pool) + step.row.unsqueeze(1) * C
+            pool.append(compressed)
+            rows = torch.cat([rows, torch.where(selected >= 0, base + selected, -1)], dim=-1)
 
-        o = sparse_attention(q, pool, rows, self.attn_sink, self.softmax_scale, self.numerics)
-        self._write_ring(ring, kv, step.start_pos)
+        o = sparse_attention(q, torch.cat(pool)[None], rows[None], self.attn_sink, self.softmax_scale, self.numerics)
+        cache.write_window(layer, kv[0], step)
         o = self.rotary.rotate(o, pos, inverse=True)                                # trap 11
         return self.wo_b(self._grouped_output(o))
 
@@ -175,53 +158,64 @@ class Attention(nn.Module):
         wo_a = self.wo_a.dequantized_weight(groups.dtype).unflatten(0, (self.o_groups, self.o_lora_rank))
         return self.numerics.einsum("btgi,gri->btgr", groups, wo_a).flatten(2)
 
-    def _write_ring(self, ring: torch.Tensor, kv: torch.Tensor, start_pos: int) -> None:
-        """After attending: the last min(T, W) positions of the call go to slots p mod W."""
-        T = kv.shape[1]
-        keep = min(T, self.window)
-        slots = torch.arange(start_pos + T - keep, start_pos + T, device=kv.device) % self.window
-        ring[:, slots] = kv[:, T - keep:].to(ring.dtype)
-
     # -------------------------------------------------------------------------------- compressed part
-    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, step: ForwardState, cache: ModelCache):
-        """(compressed rows [B, C, Dh] of the kv source, selection [B, T, k] into them or −1)."""
+    def _compressed(self, x, qr, step: Step, handoff: Handoff, cache: ModelCache):
+        """(compressed rows [B·C, Dh] of the kv source, row after row; selection [N, k] into a token's
+        own row's compressed rows, or −1)."""
         role = self.role
         source = cache.sources[role.kv_source]
-        published = False
+        published = [False] * step.n_rows
         if role.is_kv_source:
-            published = self._compress(x, step.start_pos, source)
-            if published:
-                cache.published_keys = role.layer_id
-        C = (step.start_pos + step.length) // role.ratio
+            published = self._compress(x, step, source)
+            for slot, done in zip(step.slots, published):
+                if done:
+                    cache.published_keys[slot] = role.layer_id
+        C = step.compressed_rows(role.ratio)
         if role.is_index_source:
-            keys_owner = role.kv_source
-            if step.stale_index_keys and role.is_kv_source and not published and cache.published_keys is not None:
-                keys_owner = cache.published_keys                                   # trap 15, reference parity
-            step.selections[role.layer_id] = self._select(x, qr, step, cache.sources[keys_owner].index_keys, C)
-        return source.kv[:, :C], step.selections[role.index_source]
+            handoff.publish_selection(role.layer_id, self._select(x, qr, step, handoff, cache, C, published))
+        kv, _ = source.rows(step.slots, C)
+        return kv.flatten(0, 1), handoff.selection_for(role)
 
-    def _compress(self, x: torch.Tensor, start_pos: int, source) -> bool:
-        """Compress the groups this call completes into the source's rows and index keys."""
-        latent, first = self.compressor(x, start_pos, source)                     # [B, n, Dh] pre-RoPE
-        n = latent.shape[1]
-        if n == 0:
-            return False
-        positions = (torch.arange(first, first + n, device=x.device) * self.role.ratio)   # trap 8
-        source.index_keys[:, first:first + n] = self.indexer.keys(latent, positions, self.rotary).to(
-            source.index_keys.dtype)
-        rotated = self.rotary.rotate(latent, positions)
-        source.kv[:, first:first + n] = self.numerics.qdq_compressed(rotated).to(source.kv.dtype)
-        return True
+    def _compress(self, x: torch.Tensor, step: Step, source: SourceState) -> list[bool]:
+        """Compress the groups each row completes into its slot's rows and index keys; → per row, whether
+        it published any."""
+        published = []
+        for r, (slot, start) in enumerate(zip(step.slots, step.starts)):
+            latent, first = self.compressor(x[0, step.tokens_of(r)], start, source, slot)   # [g, Dh] pre-RoPE
+            g = latent.shape[0]
+            if g:
+                positions = torch.arange(first, first + g, device=x.device) * self.role.ratio     # trap 8
+                keys = self.indexer.keys(latent[None], positions, self.rotary)[0]
+                kv = self.numerics.qdq_compressed(self.rotary.rotate(latent[None], positions))[0]
+                source.publish(slot, first, kv, keys)
+            published.append(g > 0)
+        return published
 
-    def _select(self, x: torch.Tensor, qr: torch.Tensor, step: ForwardState, keys: torch.Tensor, C: int):
-        B, T = x.shape[:2]
+    def _keys_owner(self, step: Step, cache: ModelCache, r: int, published: list[bool]) -> int:
+        """Whose index keys row r scores against: the kv source's, or with `stale_index_keys` the last
+        publisher's when this index source published none for the row this call (trap 15)."""
+        slot, role = step.slots[r], self.role
+        stale = step.stale_index_keys and role.is_kv_source and not published[r]
+        if stale and cache.published_keys[slot] is not None:
+            return cache.published_keys[slot]
+        return role.kv_source
+
+    def _select(self, x, qr, step: Step, handoff: Handoff, cache: ModelCache, C: int, published: list[bool]):
+        """[N, k] compressed positions per token, ascending, −1 for none (§11.6)."""
         if C == 0:
-            return torch.empty(B, T, 0, dtype=torch.long, device=x.device)
-        visible = visible_counts(step.start_pos, T, self.role.ratio, x.device)
-        scores = self.indexer.scores(x, qr, keys[:, :C], step.positions, visible, self.rotary)
+            return torch.empty(step.n_tokens, 0, dtype=torch.long, device=x.device)
+        visible = step.visible(self.role.ratio)                                     # [N]
+        parts = []
+        for r, slot in enumerate(step.slots):
+            owner = cache.sources[self._keys_owner(step, cache, r, published)]
+            keys = owner.index_keys[slot:slot + 1, :C]                              # [1, C, Di]
+            seg = step.tokens_of(r)
+            parts.append(self.indexer.scores(x[:, seg], qr[:, seg], keys, step.positions[seg], visible[seg],
+                                             self.rotary))
+        scores = torch.cat(parts, dim=1)                                            # [1, N, C]
         if self.role.is_candidate_source:
-            step.candidates[self.role.layer_id] = candidate_blocks(
-                scores, visible, self.candidate_topk_blocks, self.candidate_block_size)
+            handoff.publish_candidates(self.role.layer_id, candidate_blocks(
+                scores, visible, self.candidate_topk_blocks, self.candidate_block_size))
         elif self.role.candidate_source is not None:
-            scores = scores.masked_fill(~step.candidates[self.role.candidate_source], float("-inf"))
-        return select_topk(scores, visible, self.index_topk)
+            scores = scores.masked_fill(~handoff.candidates_for(self.role), float("-inf"))
+        return select_topk(scores, visible, self.index_topk)[0]

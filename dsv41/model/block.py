@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from . import hyper
-from .attention import Attention, ForwardState
+from .attention import Attention
 from .cache import ModelCache
 from ..config import ModelConfig
 from .engram import Engram
@@ -17,6 +17,7 @@ from .layers import RMSNorm, dense_storage, expert_storage
 from .moe import MoE
 from .numerics import Numerics
 from .roles import LayerRole
+from .step import Handoff, Step
 
 
 class Block(nn.Module):
@@ -51,11 +52,11 @@ class Block(nn.Module):
                            getattr(self, f"hc_{sub}_base"), iters=self.hc_iters, norm_eps=self.norm_eps,
                            hc_eps=self.hc_eps, numerics=self.numerics)
 
-    def forward(self, x: torch.Tensor, pre: torch.Tensor, step: ForwardState, cache: ModelCache,
+    def forward(self, x: torch.Tensor, pre: torch.Tensor, step: Step, handoff: Handoff, cache: ModelCache,
                 image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, S, D], pre [B, T, S] (from the previous sublayer, trap 1) → (x, pre for the next)."""
+        """x [1, N, S, D], pre [1, N, S] (from the previous sublayer, trap 1) → (x, pre for the next)."""
         pre_attn, post, comb = self._mixes(x, "attn")
-        o = self.attn(self.attn_norm(hyper.collapse(x, pre)), step, cache)
+        o = self.attn(self.attn_norm(hyper.collapse(x, pre)), step, handoff, cache)
         x = hyper.expand(o, x, post, comb)
         pre_ffn, post, comb = self._mixes(x, "ffn")
         m = self.ffn(self.ffn_norm(hyper.collapse(x, pre_attn)), image_mask)

@@ -1,30 +1,33 @@
-"""Per-sequence state, created by the engine for a batch and passed to every forward (STYLE.md P3).
+"""Per-sequence state: a pool of cache slots the engine owns, passed to every forward (STYLE.md P3).
 
-Shapes: B batch, W window, Dh head dim, Di index head dim, r compress ratio, L max context.
+Shapes: S slots, W window, Dh head dim, Di index head dim, r compress ratio, L max context; B rows and
+N packed tokens of a call (step.py).
 
 | state                | owner                         | shape                  | ARCHITECTURE.md |
 |----------------------|-------------------------------|------------------------|-----------------|
-| window ring          | every layer, DSpark included  | [B, W, Dh]             | §11.2           |
-| compressed KV        | kv sources                    | [B, L / r, Dh]         | §11.4           |
-| index keys           | kv sources                    | [B, L / r, Di]         | §11.6           |
-| compressor tail      | r > 1 kv sources              | [B, r, Dh] × 2, fp32   | §11.3           |
-| Engram hash history  | the model                     | [B, L]                 | ENGRAM-HASHING §4 |
+| window ring          | every layer, DSpark included  | [S, W, Dh]             | §11.2           |
+| compressed KV        | kv sources                    | [S, L / r, Dh]         | §11.4           |
+| index keys           | kv sources                    | [S, L / r, Di]         | §11.6           |
+| compressor tail      | r > 1 kv sources              | [S, r, Dh] × 2, fp32   | §11.3           |
+| Engram hash history  | the model                     | [S, L]                 | ENGRAM-HASHING §4 |
 
-Position p lives in ring slot p mod W; compressed row j stands for positions j·r … j·r + r − 1.
+Position p of a slot lives in ring slot p mod W; compressed row j stands for positions j·r … j·r + r − 1.
+Each slot holds one sequence at its own length; the cache's layout is written only by the methods here
+(ring write, publish, tail carry), which layers call with the step's rows. A slot is freed by resetting
+it: nothing else needs clearing, because every position is written before any query can read it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..config import ModelConfig
 from .roles import LayerRole
+from .step import CacheError, Step
 
-
-class CacheError(ValueError):
-    """A call that does not fit the cache it was given (too long, wrong batch, out of order)."""
+__all__ = ["CacheError", "ModelCache", "Snapshot", "SourceState", "create_cache"]
 
 
 @dataclass
@@ -35,110 +38,187 @@ class SourceState:
     index_keys: torch.Tensor
     tail_kv: torch.Tensor | None
     tail_score: torch.Tensor | None
-    recent: tuple[int, torch.Tensor, torch.Tensor] | None = None
-    """(first position, kv, score) of the positions the last call pooled or carried, for `restore_tail`."""
+    recent: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Per slot: (first position, kv, score) of the positions the last call pooled or carried, so a
+    rollback can rebuild the tail."""
 
-    def restore_tail(self, end: int) -> None:
+    @property
+    def ratio(self) -> int:
+        return 1 if self.tail_kv is None else self.tail_kv.shape[1]
+
+    def rows(self, slots: tuple[int, ...], count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv [B, count, Dh], index keys [B, count, Di]): compressed rows 0 … count − 1 of each slot."""
+        index = list(slots)
+        return self.kv[index, :count], self.index_keys[index, :count]
+
+    def publish(self, slot: int, first: int, kv: torch.Tensor, keys: torch.Tensor) -> None:
+        """Compressed rows first … first + n − 1 of a slot: kv [n, Dh], index keys [n, Di]."""
+        self.kv[slot, first:first + kv.shape[0]] = kv.to(self.kv.dtype)
+        self.index_keys[slot, first:first + keys.shape[0]] = keys.to(self.index_keys.dtype)
+
+    def tail(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (kv, score) [n, Dh] of the open group's first n positions."""
+        return self.tail_kv[slot, :n], self.tail_score[slot, :n]
+
+    def carry(self, slot: int, first: int, kv: torch.Tensor, score: torch.Tensor, end: int) -> None:
+        """Record the positions first … end − 1 a call saw (kv, score [end − first, Dh]) and keep the
+        open group at `end` as the tail."""
+        self.recent[slot] = (first, kv, score)
+        self.restore_tail(slot, end)
+
+    def restore_tail(self, slot: int, end: int) -> None:
         """Make the tail hold the open group at `end` (positions ⌊end/r⌋·r … end − 1), which the last
         call saw: it started at or after that group's first position."""
-        group = end // self.tail_kv.shape[1] * self.tail_kv.shape[1]
-        first, kv, score = self.recent
-        self.tail_kv[:, :end - group] = kv[:, group - first:end - first]
-        self.tail_score[:, :end - group] = score[:, group - first:end - first]
+        group = end // self.ratio * self.ratio
+        first, kv, score = self.recent[slot]
+        self.tail_kv[slot, :end - group] = kv[group - first:end - first]
+        self.tail_score[slot, :end - group] = score[group - first:end - first]
 
 
 @dataclass
 class ModelCache:
-    """All per-sequence state of one batch of sequences sharing start positions."""
+    """All per-sequence state of a pool of slots, each at its own length."""
 
-    batch_size: int
+    n_slots: int
     max_seq_len: int
     window: dict[int, torch.Tensor]
     sources: dict[int, SourceState]
     engram_history: object | None = None
-    length: int = 0
-    """Positions 0 … length − 1 have been written; the next call starts at `length` or restarts at 0."""
-    published_keys: int | None = None
-    """The kv source whose index keys were published last (only read in stale-key mode, trap 15)."""
     backbone_layers: tuple[int, ...] = ()
     """Layers whose rings a forward writes (the DSpark stages' rings are written by `dspark_observe`)."""
+    lengths: list[int] = field(default_factory=list)
+    """Per slot: positions 0 … length − 1 have been written."""
+    published_keys: list[int | None] = field(default_factory=list)
+    """Per slot: the kv source that published index keys last (read only in stale-key mode, trap 15)."""
 
-    def check_call(self, start_pos: int, length: int, batch: int) -> None:
-        if batch != self.batch_size:
-            raise CacheError(f"batch of {batch} rows given to a cache created for {self.batch_size}")
-        if start_pos < 0 or start_pos > self.length:
-            raise CacheError(f"start_pos {start_pos} leaves a gap: the cache holds positions 0 … {self.length - 1}")
-        if 0 < start_pos < self.length:
-            # the window ring and the pooling tail already hold later positions in the slots this call
-            # would read; continuing at `length` or restarting at 0 is exact
-            raise CacheError(f"start_pos {start_pos} rewinds a cache that holds positions 0 … {self.length - 1}: "
-                             f"continue at {self.length} or restart at 0")
-        if start_pos + length > self.max_seq_len:
-            raise CacheError(f"positions {start_pos} … {start_pos + length - 1} exceed the cache's context of "
-                             f"{self.max_seq_len} tokens")
+    def __post_init__(self) -> None:
+        self.lengths = self.lengths or [0] * self.n_slots
+        self.published_keys = self.published_keys or [None] * self.n_slots
 
-    def reset(self) -> None:
-        self.length = 0
-        self.published_keys = None
+    @property
+    def batch_size(self) -> int:
+        return self.n_slots
 
-    def snapshot(self, start_pos: int, length: int) -> "Snapshot":
-        """Save what a call at start_pos … start_pos + length − 1 will overwrite, so that `rollback` can
-        drop a suffix of it (rejected speculative drafts, GENERATION-AND-DSPARK.md §3)."""
+    @property
+    def length(self) -> int:
+        """The length every slot shares (caches driven with one start position for all rows)."""
+        if len(set(self.lengths)) != 1:
+            raise CacheError(f"the slots are at different lengths {self.lengths}; read cache.lengths")
+        return self.lengths[0]
+
+    # ---------------------------------------------------------------------------------- calls
+    def check(self, step: Step) -> None:
+        for slot, start, end in zip(step.slots, step.starts, step.ends):
+            if not 0 <= slot < self.n_slots:
+                raise CacheError(f"slot {slot} does not exist: the cache has {self.n_slots} slots")
+            held = self.lengths[slot]
+            if start > held:
+                raise CacheError(f"start_pos {start} leaves a gap: slot {slot} holds positions 0 … {held - 1}")
+            if 0 < start < held:
+                # the window ring and the pooling tail already hold later positions in the slots this call
+                # would read; continuing at the slot's length or restarting at 0 is exact
+                raise CacheError(f"start_pos {start} rewinds slot {slot}, which holds positions 0 … {held - 1}: "
+                                 f"continue at {held} or restart at 0")
+            if end > self.max_seq_len:
+                raise CacheError(f"positions {start} … {end - 1} exceed the cache's context of "
+                                 f"{self.max_seq_len} tokens")
+
+    def begin(self, step: Step) -> None:
+        """Validate a call and forget what restarted slots held."""
+        self.check(step)
+        for slot, start in zip(step.slots, step.starts):
+            if start == 0:
+                self.reset(slot)
+
+    def advance(self, step: Step) -> None:
+        for slot, end in zip(step.slots, step.ends):
+            self.lengths[slot] = end
+
+    def reset(self, slot: int | None = None) -> None:
+        """Free one slot (or all): its next call starts at position 0."""
+        for s in range(self.n_slots) if slot is None else (slot,):
+            self.lengths[s] = 0
+            self.published_keys[s] = None
+            for source in self.sources.values():
+                source.recent.pop(s, None)
+
+    # ---------------------------------------------------------------------------------- the window ring
+    def read_window(self, layer: int, step: Step) -> torch.Tensor:
+        """[B·W, Dh]: the rings of the call's rows, row after row."""
+        return self.window[layer][list(step.slots)].flatten(0, 1)
+
+    def write_window(self, layer: int, kv: torch.Tensor, step: Step) -> None:
+        """After attending: the last min(count, W) positions of each row go to slots p mod W (kv [N, Dh])."""
+        ring = self.window[layer]
+        W = ring.shape[1]
+        counts = torch.tensor(step.counts, device=kv.device)[step.row]
+        keep = step.token_rank >= counts - W
+        ring[step.token_slot[keep], step.positions[keep] % W] = kv[keep].to(ring.dtype)
+
+    # ---------------------------------------------------------------------------------- rollback
+    def snapshot(self, step: Step) -> "Snapshot":
+        """Save what a call will overwrite, so that `rollback` can drop a suffix of each row (rejected
+        speculative drafts, GENERATION-AND-DSPARK.md §3)."""
         W = next(iter(self.window.values())).shape[1]
-        if length > W:
-            raise CacheError(f"a call of {length} positions cannot be rolled back with a window of {W}")
-        slots = torch.arange(start_pos, start_pos + length) % W
-        rings = {layer: self.window[layer][:, slots].clone() for layer in self.backbone_layers}
-        return Snapshot(start_pos, length, slots, rings, self.published_keys)
+        if max(step.counts) > W:
+            raise CacheError(f"a call of {max(step.counts)} positions cannot be rolled back with a window of {W}")
+        slots, ring = step.token_slot.cpu(), (step.positions % W).cpu()
+        rings = {layer: self.window[layer][slots, ring].clone() for layer in self.backbone_layers}
+        return Snapshot(step, slots, ring, step.token_rank.cpu(), rings, list(self.published_keys))
 
-    def rollback(self, snap: "Snapshot", keep: int) -> None:
-        """Keep the first `keep` positions of the snapshotted call; restore the state of the rest."""
-        if not 0 <= keep <= snap.call_length or self.length != snap.start_pos + snap.call_length:
-            raise CacheError(f"cannot keep {keep} of the {snap.call_length} positions from {snap.start_pos}: "
-                             f"the cache holds 0 … {self.length - 1}")
-        undo = snap.slots[keep:]
+    def rollback(self, snap: "Snapshot", keep: list[int]) -> None:
+        """Keep the first keep[r] positions of each row of the snapshotted call; restore the rest."""
+        step = snap.step
+        for slot, start, count, k in zip(step.slots, step.starts, step.counts, keep):
+            if not 0 <= k <= count or self.lengths[slot] != start + count:
+                raise CacheError(f"cannot keep {k} of the {count} positions from {start} in slot {slot}: it "
+                                 f"holds 0 … {self.lengths[slot] - 1}")
+        kept = torch.tensor(keep)[step.row.cpu()]
+        undo = snap.ranks >= kept
         for layer, saved in snap.rings.items():
-            self.window[layer][:, undo] = saved[:, keep:]
-        end = snap.start_pos + keep
-        for source in self.sources.values():
-            if source.tail_kv is not None:
-                source.restore_tail(end)
-        self.length = end
-        if keep < snap.call_length:
-            self.published_keys = snap.published_keys
+            self.window[layer][snap.slots[undo], snap.ring_slots[undo]] = saved[undo]
+        for slot, start, count, k in zip(step.slots, step.starts, step.counts, keep):
+            end = start + k
+            for source in self.sources.values():
+                if source.tail_kv is not None and slot in source.recent:
+                    source.restore_tail(slot, end)
+            self.lengths[slot] = end
+            if k < count:
+                self.published_keys[slot] = snap.published_keys[slot]
 
 
 @dataclass
 class Snapshot:
-    """What a call will overwrite: the ring slots of its positions (backbone layers) and the stale-key
-    owner; pooling tails are rebuilt from the compressor's record of the call."""
+    """What a call will overwrite: the ring entries of its positions (backbone layers) and the stale-key
+    owners; pooling tails are rebuilt from the compressor's record of the call."""
 
-    start_pos: int
-    call_length: int
+    step: Step
     slots: torch.Tensor
+    ring_slots: torch.Tensor
+    ranks: torch.Tensor
     rings: dict[int, torch.Tensor]
-    published_keys: int | None
+    published_keys: list[int | None]
 
 
-def create_cache(cfg: ModelConfig, roles: tuple[LayerRole, ...], batch_size: int, max_seq_len: int, *,
+def create_cache(cfg: ModelConfig, roles: tuple[LayerRole, ...], n_slots: int, max_seq_len: int, *,
                  device=None, dtype: torch.dtype = torch.bfloat16, engram_history=None) -> ModelCache:
-    """Allocate every layer's state for `batch_size` sequences of up to `max_seq_len` positions."""
-    if batch_size <= 0 or max_seq_len <= 0:
-        raise CacheError(f"batch_size and max_seq_len must be positive, got {batch_size} and {max_seq_len}")
-    window = {r.layer_id: torch.zeros(batch_size, cfg.window_size, cfg.head_dim, device=device, dtype=dtype)
+    """Allocate every layer's state for `n_slots` sequences of up to `max_seq_len` positions."""
+    if n_slots <= 0 or max_seq_len <= 0:
+        raise CacheError(f"the slot count and max_seq_len must be positive, got {n_slots} and {max_seq_len}")
+    window = {r.layer_id: torch.zeros(n_slots, cfg.window_size, cfg.head_dim, device=device, dtype=dtype)
               for r in roles}
     sources = {}
     for r in roles:
         if not r.is_kv_source:
             continue
         rows = max_seq_len // r.ratio
-        tail = (torch.zeros(batch_size, r.ratio, cfg.head_dim, device=device, dtype=torch.float32)
+        tail = (torch.zeros(n_slots, r.ratio, cfg.head_dim, device=device, dtype=torch.float32)
                 if r.ratio > 1 else None)
         sources[r.layer_id] = SourceState(
-            kv=torch.zeros(batch_size, rows, cfg.head_dim, device=device, dtype=dtype),
-            index_keys=torch.zeros(batch_size, rows, cfg.index_head_dim, device=device, dtype=dtype),
+            kv=torch.zeros(n_slots, rows, cfg.head_dim, device=device, dtype=dtype),
+            index_keys=torch.zeros(n_slots, rows, cfg.index_head_dim, device=device, dtype=dtype),
             tail_kv=tail, tail_score=None if tail is None else torch.full_like(tail, float("-inf")),
         )
-    return ModelCache(batch_size=batch_size, max_seq_len=max_seq_len, window=window, sources=sources,
+    return ModelCache(n_slots=n_slots, max_seq_len=max_seq_len, window=window, sources=sources,
                       engram_history=engram_history,
                       backbone_layers=tuple(r.layer_id for r in roles if not r.is_dspark))

@@ -1,11 +1,11 @@
 """The KV compressor of a kv source (ARCHITECTURE.md §11.3).
 
-Shapes: B batch, T positions in the call, D dim, Dh head dim (latent width), r ratio, n new latents.
+Shapes: n positions of one row in the call, D dim, Dh head dim (latent width), r ratio, g new latents.
 
 r = 1 is a plain projection (bf16 `wkv`, no gate). r > 1 pools each group of r consecutive positions
 {j·r … j·r + r − 1} with a per-channel softmax over the group (fp32 `wkv` and `wgate`, fp32 pooling).
 Groups are aligned to absolute positions, so a call may start or end inside a group: the positions of
-the unfinished group wait in the cache's tail (the reference handles only prefill from 0 and T = 1).
+the unfinished group wait in the slot's tail (the reference handles only prefill from 0 and T = 1).
 The latent comes out before RoPE because the indexer derives its keys from the unrotated form.
 """
 
@@ -32,27 +32,22 @@ class Compressor(nn.Module):
             self.wgate = Linear(dim, head_dim, storage, **kw)
         self.norm = RMSNorm(head_dim, norm_eps, device=device)
 
-    def forward(self, x: torch.Tensor, start_pos: int, state: SourceState) -> tuple[torch.Tensor, int]:
-        """x [B, T, D] (the normed attention input) → (latents [B, n, Dh] pre-RoPE, index of the first).
-
-        The first latent is compressed row j0 = start_pos // r; n may be 0.
-        """
+    def forward(self, x: torch.Tensor, start_pos: int, state: SourceState, slot: int) -> tuple[torch.Tensor, int]:
+        """x [n, D] (one row's normed attention input, positions start_pos …) → (latents [g, Dh] pre-RoPE,
+        the compressed row of the first). g may be 0."""
         if self.ratio == 1:
             return self.norm(self.wkv(x)), start_pos
         r = self.ratio
         h = x.float()
-        kv, score = self.wkv(h), self.wgate(h)                      # [B, T, Dh] fp32
+        kv, score = self.wkv(h), self.wgate(h)                      # [n, Dh] fp32
         lead = start_pos % r                                        # positions of the open group already seen
         if lead:
-            kv = torch.cat([state.tail_kv[:, :lead], kv], dim=1)
-            score = torch.cat([state.tail_score[:, :lead], score], dim=1)
-        state.recent = (start_pos - lead, kv, score)               # lets a rollback rebuild the tail
-        n = kv.shape[1] // r
-        rest = kv.shape[1] - n * r
-        if rest:
-            state.tail_kv[:, :rest] = kv[:, n * r:]
-            state.tail_score[:, :rest] = score[:, n * r:]
-        kv = kv[:, :n * r].unflatten(1, (n, r))                     # [B, n, r, Dh]
-        weights = self.numerics.softmax(score[:, :n * r].unflatten(1, (n, r)), dim=2)
-        pooled = (kv * weights).sum(dim=2)
-        return self.norm(pooled.to(x.dtype)), start_pos // r
+            tail_kv, tail_score = state.tail(slot, lead)
+            kv, score = torch.cat([tail_kv, kv]), torch.cat([tail_score, score])
+        first = start_pos - lead
+        state.carry(slot, first, kv, score, start_pos + x.shape[0])
+        g = kv.shape[0] // r
+        groups = kv[:g * r].unflatten(0, (g, r))                    # [g, r, Dh]
+        weights = self.numerics.softmax(score[:g * r].unflatten(0, (g, r)), dim=1)
+        pooled = (groups * weights).sum(dim=1)
+        return self.norm(pooled.to(x.dtype)), first // r

@@ -31,39 +31,51 @@ from .block import Block
 from .layers import Embedding, Head, Linear, RMSNorm, dense_storage
 from .numerics import Numerics
 from .roles import LayerRole
+from .step import Handoff, Step
 
 
-@dataclass
+@dataclass(frozen=True)
 class DraftStep:
-    """Metadata of one draft call: the drafts sit at positions last_pos + 1 … last_pos + Bs."""
+    """Metadata of one draft call: row b drafts for slot slots[b] at positions last_pos[b] + 1 … + Bs."""
 
-    last_pos: int
-    length: int
+    slots: tuple[int, ...]
+    last_pos: tuple[int, ...]
 
 
 class DSparkAttention(Attention):
     """Window attention whose ring is filled from the backbone's main rows, queried by the draft rows."""
 
-    def write_main(self, main_x: torch.Tensor, start_pos: int, cache: ModelCache) -> None:
-        """main_x [B, T, D] (positions start_pos …) → fp8-QDQ KV into ring slots p mod W."""
-        positions = torch.arange(start_pos, start_pos + main_x.shape[1], device=main_x.device)
-        kv = self.numerics.qdq_window(self.rotary.rotate(self.kv_norm(self.wkv(main_x)), positions))
-        self._write_ring(cache.window[self.role.layer_id], kv, start_pos)
+    def write_main(self, main_x: torch.Tensor, step: Step, cache: ModelCache) -> None:
+        """main_x [N, D] (the step's tokens) → fp8-QDQ KV into each row's ring slots p mod W."""
+        kv = self.numerics.qdq_window(self.rotary.rotate(self.kv_norm(self.wkv(main_x[None])), step.positions))
+        cache.write_window(self.role.layer_id, kv[0], step)
 
-    def forward(self, x: torch.Tensor, step: DraftStep, cache: ModelCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: DraftStep, handoff: Handoff, cache: ModelCache) -> torch.Tensor:
         """Draft rows x [B, Bs, D] (after attn_norm) → [B, Bs, D]."""
         B, Bs, _ = x.shape
-        positions = torch.arange(step.last_pos + 1, step.last_pos + 1 + Bs, device=x.device)
+        last = torch.tensor(step.last_pos, device=x.device)
+        positions = last.unsqueeze(1) + 1 + torch.arange(Bs, device=x.device)              # [B, Bs]
         qr = self.q_norm(self.wq_a(x))
         q = self.rotary.rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), positions)
         kv = self.numerics.qdq_window(self.rotary.rotate(self.kv_norm(self.wkv(x)), positions))
-        pool = torch.cat([cache.window[self.role.layer_id], kv], dim=1)                  # [B, W + Bs, Dh]
-        # the ring's filled slots (in slot order, as the reference lists them), then every draft row
-        filled = torch.arange(min(self.window, step.last_pos + 1), device=x.device)
-        rows = torch.cat([filled, self.window + torch.arange(Bs, device=x.device)]).expand(B, Bs, -1)
+        ring = cache.window[self.role.layer_id][list(step.slots)]
+        pool = torch.cat([ring, kv], dim=1)                                                # [B, W + Bs, Dh]
+        rows = self._draft_rows(step, Bs, x.device).unsqueeze(1).expand(B, Bs, -1)
         o = sparse_attention(q, pool, rows, self.attn_sink, self.softmax_scale, self.numerics)
         o = self.rotary.rotate(o, positions, inverse=True)
         return self.wo_b(self._grouped_output(o))
+
+    def _draft_rows(self, step: DraftStep, Bs: int, device) -> torch.Tensor:
+        """[B, n]: each row's filled ring slots in slot order (as the reference lists them), then every
+        draft row (no causal mask). Rows at different positions list all W slots, −1 for unfilled ones;
+        the reference's layout (only the filled ones) where every row is at one position and the kernels
+        follow the reference."""
+        filled = torch.tensor([min(self.window, p + 1) for p in step.last_pos], device=device)
+        width = int(filled[0]) if len(set(step.last_pos)) == 1 and not self.numerics.invariant else self.window
+        ring = torch.arange(width, device=device).expand(len(step.slots), -1)
+        ring = torch.where(ring < filled.unsqueeze(1), ring, -1)
+        drafts = (self.window + torch.arange(Bs, device=device)).expand(len(step.slots), -1)
+        return torch.cat([ring, drafts], dim=1)
 
 
 class MarkovHead(nn.Module):
@@ -121,28 +133,27 @@ class Draft:
     """[B, Bs] fp32 raw confidence logits."""
 
 
-def observe(stages: nn.ModuleList, dspark_hidden: torch.Tensor, start_pos: int, cache: ModelCache) -> None:
-    """Write the main rows of positions start_pos … start_pos + T − 1 into every stage's ring."""
+def observe(stages: nn.ModuleList, dspark_hidden: torch.Tensor, step: Step, cache: ModelCache) -> None:
+    """Write the main rows of a step's tokens (dspark_hidden [N, Dt]) into every stage's ring."""
     first = stages[0]
-    main_x = first.main_norm(first.main_proj(dspark_hidden))                            # [B, T, D]
+    main_x = first.main_norm(first.main_proj(dspark_hidden))                            # [N, D]
     for stage in stages:
-        stage.attn.write_main(main_x, start_pos, cache)
+        stage.attn.write_main(main_x, step, cache)
 
 
 def draft(stages: nn.ModuleList, embed: Embedding, head: Head, cfg: ModelConfig, token: torch.Tensor,
-          last_pos: int, cache: ModelCache,
+          step: DraftStep, cache: ModelCache,
           choose: Callable[[torch.Tensor], torch.Tensor] | None = None, *,
           dtype: torch.dtype = torch.bfloat16) -> Draft:
-    """Propose Bs tokens after `token` [B] (the token for position last_pos + 1), given the rings;
+    """Propose Bs tokens after `token` [B] (row b's token for position last_pos[b] + 1), given the rings;
     `dtype` is the model's compute dtype."""
     B, Bs = token.shape[0], cfg.dspark_block_size
     ids = token.new_full((B, Bs), cfg.dspark_noise_token_id)
     ids[:, 0] = token
     x = embed(ids).to(dtype).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)                 # [B, Bs, S, D]
     pre = hyper.identity_pre(B, Bs, cfg.hc_mult, device=token.device)
-    step = DraftStep(last_pos=last_pos, length=Bs)
     for stage in stages:
-        x, pre = stage(x, pre, step, cache, None)                                       # drafts are text
+        x, pre = stage(x, pre, step, Handoff(), cache, None)                            # drafts are text
     last = stages[-1]
     z = hyper.collapse(x, pre)                                                          # [B, Bs, D]
     logits = head(last.norm(z))                                                         # [B, Bs, V]

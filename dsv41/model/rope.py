@@ -54,18 +54,20 @@ class Rotary(nn.Module):
         return cls(cfg.rope_head_dim, freqs)
 
     def phases(self, positions: torch.Tensor) -> torch.Tensor:
-        """complex64 [T, R/2] = exp(i · fp32(p) · ω)."""
-        angles = torch.outer(positions.to(self.freqs.device, torch.float32), self.freqs)
+        """complex64 [..., R/2] = exp(i · fp32(p) · ω) for positions of any shape."""
+        angles = positions.to(self.freqs.device, torch.float32).unsqueeze(-1) * self.freqs
         return torch.polar(torch.ones_like(angles), angles)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
-        """Rotate the last R features of x [B, T, (heads,) F] at positions [T]; fp32 math, x.dtype out."""
+        """Rotate the last R features of x [B, T, (heads,) F] at positions [T] (every row) or [B, T];
+        fp32 math, x.dtype out."""
         if self.freqs.device.type == "meta" or x.device.type == "meta":
             return x
         phases = self.phases(positions).to(x.device)
         if inverse:
             phases = phases.conj()
-        shape = [1, positions.numel()] + [1] * (x.dim() - 3) + [self.rope_dim // 2]
+        lead = list(positions.shape) if positions.dim() == 2 else [1, positions.numel()]
+        shape = lead + [1] * (x.dim() - 3) + [self.rope_dim // 2]
         tail = torch.view_as_complex(x[..., -self.rope_dim:].float().unflatten(-1, (-1, 2)).contiguous())
         rotated = torch.view_as_real(tail * phases.view(shape)).flatten(-2).to(x.dtype)
         return torch.cat([x[..., :-self.rope_dim], rotated], dim=-1)

@@ -1,12 +1,13 @@
 """The DeepSeek-V4.1 transformer: embed → S streams → 40 blocks (Engram before 1 and 14) → collapse.
 
-Shapes: B batch, T positions in the call, S streams (hc_mult), D dim, V vocab, N Engram hash columns,
+Shapes: B rows of the call, T positions per row (uniform calls), N packed tokens of the call (step.py),
+S streams (hc_mult), D dim, V vocab, E Engram layers, Nc Engram hash columns,
 Dt = D · len(dspark_target_layer_ids) DSpark conditioning width.
 
-`Transformer.forward` runs the blocks for token ids at absolute positions start_pos … start_pos + T − 1
-against a `ModelCache` and returns hidden states; `Transformer.logits` projects the positions a caller
-asks for (STYLE.md P4). Prefill, chunked prefill, decode and multi-token verification are the same call
-with different metadata.
+`Transformer.forward` runs the blocks for the tokens of a `Step` — any mix of rows, each at its own
+positions in its own cache slot — and returns hidden states; `Transformer.logits` projects the positions
+a caller asks for (STYLE.md P4). Prefill, chunked prefill, decode and multi-token verification are the
+same call with different metadata. The blocks see the call as one packed sequence [1, N, …].
 """
 
 from __future__ import annotations
@@ -18,22 +19,23 @@ import torch
 from torch import nn
 
 from . import hyper
-from .attention import ForwardState
 from .block import Block
-from .dspark import Draft, DSparkStage, draft, observe
+from .dspark import Draft, DraftStep, DSparkStage, draft, observe
 from .engram import EngramHistory, EngramLayout, NgramHasher
-from .cache import ModelCache, create_cache
+from .cache import CacheError, ModelCache, create_cache
 from ..config import ModelConfig, RuntimeConfig
 from .layers import Embedding, Head, RMSNorm
 from .roles import derive_roles
+from .step import Handoff, Step
 
 
 @dataclass
 class ModelOutput:
     hidden: torch.Tensor
-    """[B, T, D] the collapsed stream before the final norm (feed to `Transformer.logits`)."""
+    """[N, D] (a Step call) or [B, T, D] (a uniform call): the collapsed stream before the final norm
+    (feed to `Transformer.logits`)."""
     dspark_hidden: torch.Tensor | None
-    """[B, T, Dt] means over streams of the streams entering the DSpark target layers (trap 19)."""
+    """[N, Dt] or [B, T, Dt]: means over streams of the streams entering the DSpark target layers (trap 19)."""
 
 
 class Transformer(nn.Module):
@@ -75,59 +77,87 @@ class Transformer(nn.Module):
                              f"vocab_size is {self.cfg.vocab_size}")
         self.hasher = NgramHasher(self.engram_layout, token_map)
 
-    def new_cache(self, batch_size: int, max_seq_len: int | None = None) -> ModelCache:
-        """Fresh per-sequence state for `batch_size` rows of up to `max_seq_len` positions."""
+    def new_cache(self, n_slots: int, max_seq_len: int | None = None) -> ModelCache:
+        """Fresh per-sequence state: a pool of `n_slots` slots of up to `max_seq_len` positions each."""
         max_seq_len = max_seq_len or self.runtime.max_seq_len
         history = None
         if self.cfg.engram_layer_ids:
-            history = EngramHistory.create(batch_size, max_seq_len, device=self.device)
-        return create_cache(self.cfg, self.roles, batch_size, max_seq_len, device=self.device, dtype=self.dtype,
+            history = EngramHistory.create(n_slots, max_seq_len, device=self.device)
+        return create_cache(self.cfg, self.roles, n_slots, max_seq_len, device=self.device, dtype=self.dtype,
                             engram_history=history)
 
-    def forward(self, ids: torch.Tensor, start_pos: int, cache: ModelCache, *,
-                token_types: torch.Tensor | None = None) -> ModelOutput:
-        """ids [B, T] at positions start_pos … start_pos + T − 1 → hidden states; updates `cache`.
+    def step(self, slots, starts, counts) -> Step:
+        """The metadata of a call: row b feeds counts[b] tokens of slot slots[b] from position starts[b]."""
+        return Step(tuple(slots), tuple(starts), tuple(counts), device=self.device,
+                    reference_layout=not self.numerics.invariant, stale_index_keys=self.runtime.stale_index_keys)
 
-        token_types [B, T]: −1 text, ≥ 0 image-span positions (bias_vl routing, no Engram).
+    def forward(self, ids: torch.Tensor, step: Step | int, cache: ModelCache, *,
+                token_types: torch.Tensor | None = None) -> ModelOutput:
+        """Run the tokens of a step and update the cache.
+
+        - `ids` [N] packed with a `Step` (from `Transformer.step`): the engine's call; outputs are [N, …].
+        - `ids` [B, T] with an int start position: every slot of the cache (B of them) at the same
+          positions start_pos … start_pos + T − 1; outputs are [B, T, …].
+
+        token_types (shaped like ids): −1 text, ≥ 0 image-span positions (bias_vl routing, no Engram).
         """
+        if isinstance(step, Step):
+            return self._forward(ids, step, cache, token_types)
         B, T = ids.shape
-        cache.check_call(start_pos, T, B)
+        if B != cache.n_slots:
+            raise CacheError(f"batch of {B} rows given to a cache of {cache.n_slots} slots (a [B, T] call feeds "
+                             f"every slot; pass a Step to feed some)")
+        out = self._forward(ids.flatten(), self.step(range(B), (step,) * B, (T,) * B), cache,
+                            None if token_types is None else token_types.flatten())
+        unpack = lambda t: None if t is None else t.unflatten(0, (B, T))
+        return ModelOutput(hidden=unpack(out.hidden), dspark_hidden=unpack(out.dspark_hidden))
+
+    def _forward(self, ids: torch.Tensor, step: Step, cache: ModelCache, token_types) -> ModelOutput:
+        if ids.shape != (step.n_tokens,):
+            raise ValueError(f"the step covers {step.n_tokens} tokens; ids has shape {tuple(ids.shape)}")
+        cache.begin(step)
         self._check_ids(ids)
-        image_mask = None if token_types is None else token_types >= 0
+        image_mask = None if token_types is None else (token_types >= 0)[None]
         text_mask = None if image_mask is None else ~image_mask
-        engram_rows = self._gather_engram_rows(ids, start_pos, cache, text_mask)
-        step = ForwardState(start_pos=start_pos, length=T,
-                            positions=torch.arange(start_pos, start_pos + T, device=ids.device),
-                            reference_layout=not self.numerics.invariant,
-                            stale_index_keys=self.runtime.stale_index_keys)
+        engram_rows = self._gather_engram_rows(ids, step, cache, text_mask)
         # the stream in the compute dtype from the start (bf16 table values are exact in fp32), so that
         # fast float32 does not round layer 0's attention input to bf16
-        x = self.embed(ids).to(self.dtype).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)   # [B, T, S, D]
-        pre = hyper.identity_pre(B, T, self.cfg.hc_mult, device=ids.device)
-        targets = []
+        x = self.embed(ids[None]).to(self.dtype).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)   # [1, N, S, D]
+        pre = hyper.identity_pre(1, step.n_tokens, self.cfg.hc_mult, device=ids.device)
+        handoff, targets = Handoff(), []
         for block in self.layers:
             if block.engram is not None:
                 x = block.engram(x, engram_rows[block.role.engram_index].result(), text_mask)
             if block.role.is_dspark_target:
                 targets.append(x.float().mean(dim=2).to(x.dtype))
-            x, pre = block(x, pre, step, cache, image_mask)
-        cache.length = start_pos + T
-        hidden = hyper.collapse(x, pre)
-        return ModelOutput(hidden=hidden, dspark_hidden=torch.cat(targets, dim=-1) if targets else None)
+            x, pre = block(x, pre, step, handoff, cache, image_mask)
+        cache.advance(step)
+        hidden = hyper.collapse(x, pre)[0]
+        return ModelOutput(hidden=hidden, dspark_hidden=torch.cat(targets, dim=-1)[0] if targets else None)
 
-    def dspark_observe(self, dspark_hidden: torch.Tensor, start_pos: int, cache: ModelCache) -> None:
-        """Feed the DSpark rings the main rows of positions start_pos … (ModelOutput.dspark_hidden)."""
+    def dspark_observe(self, dspark_hidden: torch.Tensor, step: Step | int, cache: ModelCache) -> None:
+        """Feed the DSpark rings the main rows of a step's tokens (`ModelOutput.dspark_hidden` [N, Dt]), or
+        of every slot from an int start position ([B, T, Dt])."""
         self._need_dspark()
-        observe(self.mtp, dspark_hidden, start_pos, cache)
+        if not isinstance(step, Step):
+            B, T = dspark_hidden.shape[:2]
+            step, dspark_hidden = self.step(range(B), (step,) * B, (T,) * B), dspark_hidden.flatten(0, 1)
+        observe(self.mtp, dspark_hidden, step, cache)
 
-    def dspark_draft(self, token: torch.Tensor, last_pos: int, cache: ModelCache, choose=None) -> Draft:
+    def dspark_draft(self, token: torch.Tensor, last_pos, cache: ModelCache, choose=None, *,
+                     slots=None) -> Draft:
         """Draft dspark_block_size tokens after `token` [B] (the token of position last_pos + 1).
 
-        The rings must hold the main rows up to last_pos (`dspark_observe`); `choose` maps a row of
-        logits [B, V] to token ids (greedy by default).
+        `last_pos`: an int for every row, or one per row; `slots`: the cache slots of the rows (default
+        0 … B − 1). The rings must hold the main rows up to last_pos (`dspark_observe`); `choose` maps a
+        row of logits [B, V] to token ids (greedy by default).
         """
         self._need_dspark()
-        return draft(self.mtp, self.embed, self.head, self.cfg, token, last_pos, cache, choose, dtype=self.dtype)
+        B = token.shape[0]
+        slots = tuple(range(B)) if slots is None else tuple(slots)
+        last = (last_pos,) * B if isinstance(last_pos, int) else tuple(last_pos)
+        return draft(self.mtp, self.embed, self.head, self.cfg, token, DraftStep(slots, last), cache, choose,
+                     dtype=self.dtype)
 
     def _need_dspark(self) -> None:
         if not self.cfg.dspark_enabled:
@@ -144,7 +174,7 @@ class Transformer(nn.Module):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}), got min {int(ids.min())} "
                              f"max {int(ids.max())}")
 
-    def _gather_engram_rows(self, ids, start_pos, cache, text_mask) -> list[Future]:
+    def _gather_engram_rows(self, ids, step: Step, cache, text_mask) -> list[Future]:
         """Issue every Engram layer's row gather before the blocks run (hash ids depend only on tokens).
 
         A table held away from the compute path (memory-mapped, or in host memory for an accelerator
@@ -156,7 +186,8 @@ class Transformer(nn.Module):
         if self.hasher is None:
             raise RuntimeError("this model has Engram layers but no compressed token map: build it with "
                                "token_map=… or call set_token_map (ENGRAM-HASHING.md §1)")
-        hash_ids = self.hasher(ids, start_pos, cache.engram_history, text_mask)       # [B, T, nE, N]
+        mask = None if text_mask is None else text_mask[0]
+        hash_ids = self.hasher.hash_step(ids, step, cache.engram_history, mask)[None]   # [1, N, E, Nc]
         engrams = {b.role.engram_index: b.engram for b in self.layers if b.engram is not None}
         futures = []
         for e in range(len(engrams)):

@@ -188,14 +188,13 @@ class EngramHistory:
 # ---------------------------------------------------------------- the hash ----------------------
 
 
-def lookback_tokens(history: EngramHistory, start_pos: int, T: int, B: int, pad: int, K: int) -> torch.Tensor:
-    """§4 step 2: tok[b, t, k] for p = start_pos + t; pad once a look-back latches blocked."""
-    device = history.ids.device
-    pos = torch.arange(start_pos, start_pos + T, device=device)
-    src_pos = pos[:, None] - torch.arange(K, device=device)[None, :]  # [T, K]
-    before_start = src_pos < 0
-    src = history.ids[:B].index_select(1, src_pos.clamp_min(0).flatten()).view(B, T, K)
-    bad = before_start[None] | (src == DEAD)
+def lookback_tokens(history: EngramHistory, slots: torch.Tensor, positions: torch.Tensor, pad: int,
+                    K: int) -> torch.Tensor:
+    """§4 step 2: tok[i, k] for token i of slot slots[i] at positions[i] (any shape); pad once a
+    look-back latches blocked."""
+    src_pos = positions.unsqueeze(-1) - torch.arange(K, device=positions.device)  # [..., K]
+    src = history.ids[slots.unsqueeze(-1), src_pos.clamp_min(0)]
+    bad = (src_pos < 0) | (src == DEAD)
     # Latch: blocked_k = OR over j <= k of bad_j; a running max over k of the 0/1 flag.
     blocked = bad.to(torch.uint8).cummax(dim=-1).values.bool()
     return src.masked_fill(blocked, pad)
@@ -204,25 +203,37 @@ def lookback_tokens(history: EngramHistory, start_pos: int, T: int, B: int, pad:
 def hash_compressed(layout: EngramLayout, compressed: torch.Tensor, start_pos: int, history: EngramHistory,
                     pad: int, text_mask: torch.Tensor | None = None,
                     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Compressed ids [B, T] -> row ids int64 [B, T, E, N] (§4); writes them into the history first."""
+    """Compressed ids [B, T] of rows 0 … B − 1 at positions start_pos … → row ids int64 [B, T, E, N]."""
     B, T = compressed.shape
     _check_call(history, B, start_pos, T)
+    device = history.ids.device
+    slots = torch.arange(B, device=device).unsqueeze(1).expand(B, T)
+    positions = torch.arange(start_pos, start_pos + T, device=device).expand(B, T)
+    return hash_tokens(layout, compressed, slots, positions, history, pad, text_mask, tables)
+
+
+def hash_tokens(layout: EngramLayout, compressed: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                history: EngramHistory, pad: int, text_mask: torch.Tensor | None = None,
+                tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Compressed ids of tokens at (slot, position) (all three the same shape [...]) → row ids int64
+    [..., E, N] (§4); writes the ids into each slot's history first, so a token's look-back reads the
+    earlier tokens of its own call too."""
     primes, offsets, mults = tables if tables is not None else layout.tensors(history.ids.device)
     c = compressed.to(device=history.ids.device, dtype=torch.int64)
     if text_mask is not None:
         c = c.masked_fill(~text_mask.to(device=c.device, dtype=torch.bool), DEAD)
-    history.ids[:B, start_pos:start_pos + T] = c  # §4 step 1
+    history.ids[slots, positions] = c  # §4 step 1
     K, heads = layout.max_ngram_size, layout.n_heads
-    tok = lookback_tokens(history, start_pos, T, B, pad, K)  # [B, T, K]
-    prod = tok[:, :, None, :] * mults  # [B, T, E, K]; < 2^63 (checked by the layout)
+    tok = lookback_tokens(history, slots, positions, pad, K)  # [..., K]
+    prod = tok.unsqueeze(-2) * mults  # [..., E, K]; < 2^63 (checked by the layout)
     rolling = [prod[..., 0]]
     for k in range(1, K):  # R_n = R_{n-1} XOR prod_{n-1}: K - 1 orders, no 1-gram (§4 step 4)
         rolling.append(rolling[-1] ^ prod[..., k])
-    R = torch.stack(rolling[1:], dim=-1)  # [B, T, E, K-1], order n = index + 2
+    R = torch.stack(rolling[1:], dim=-1)  # [..., E, K-1], order n = index + 2
     # Column c = (n-2)·heads + h: each order's hash against its `heads` primes. All operands are
     # non-negative, so % is the plain remainder (§4 step 5).
-    buckets = R[..., None] % primes.view(-1, K - 1, heads)  # [B, T, E, K-1, heads]
-    return buckets.flatten(-2) + offsets  # [B, T, E, N]
+    buckets = R[..., None] % primes.view(-1, K - 1, heads)  # [..., E, K-1, heads]
+    return buckets.flatten(-2) + offsets  # [..., E, N]
 
 
 def _check_call(history: EngramHistory, B: int, start_pos: int, T: int) -> None:
@@ -260,5 +271,18 @@ class NgramHasher(nn.Module):
 
     def hash_compressed(self, compressed: torch.Tensor, start_pos: int, history: EngramHistory,
                         text_mask: torch.Tensor | None = None) -> torch.Tensor:
-        tables = tuple(t.to(history.ids.device) for t in (self.primes, self.offsets, self.multipliers))
-        return hash_compressed(self.layout, compressed, start_pos, history, self.pad, text_mask, tables)
+        return hash_compressed(self.layout, compressed, start_pos, history, self.pad, text_mask, self._tables(history))
+
+    def hash_step(self, token_ids: torch.Tensor, step, history: EngramHistory,
+                  text_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The packed tokens [N] of a Step (each row in its own slot, at its own positions) → [N, E, Nc]."""
+        if step.n_rows > 0 and max(step.ends) > history.max_seq_len:
+            raise ValueError(f"Engram hash positions up to {max(step.ends) - 1} exceed the history length "
+                             f"{history.max_seq_len}")
+        compressed = self.token_map[token_ids.to(self.token_map.device)]
+        device = history.ids.device
+        return hash_tokens(self.layout, compressed, step.token_slot.to(device), step.positions.to(device), history,
+                           self.pad, text_mask, self._tables(history))
+
+    def _tables(self, history: EngramHistory):
+        return tuple(t.to(history.ids.device) for t in (self.primes, self.offsets, self.multipliers))
