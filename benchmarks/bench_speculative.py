@@ -39,17 +39,19 @@ def measure(model, prompt_len: int, repeats: int) -> tuple[float, float, float]:
     last, token = prompt_len - 1, ids[:, prompt_len]
 
     def decode():
-        snap = cache.snapshot(last + 1, 1)
-        model(token[:, None], last + 1, cache)
-        cache.rollback(snap, 0)
+        step = model.step((0,), (last + 1,), (1,))
+        snap = cache.snapshot(step)
+        model(token, step, cache)
+        cache.rollback(snap, [0])
 
     def draft():
         model.dspark_draft(token, last, cache)
 
     def verify():
-        snap = cache.snapshot(last + 1, Bs + 1)
-        model(ids[:, prompt_len:prompt_len + Bs + 1], last + 1, cache)
-        cache.rollback(snap, 0)
+        step = model.step((0,), (last + 1,), (Bs + 1,))
+        snap = cache.snapshot(step)
+        model(ids[0, prompt_len:prompt_len + Bs + 1], step, cache)
+        cache.rollback(snap, [0])
 
     return timed(decode, repeats), timed(draft, repeats), timed(verify, repeats)
 

@@ -31,8 +31,8 @@ from dsv41.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC_CONFIG = RELEASED_CONFIG
-STATS = re.compile(r"prompt (\d+) tokens, generated (\d+) tokens, TTFT \d+ ms, [\d.]+ tok/s, "
-                   r"finish: (eos|stop|length|context)")
+STATS = re.compile(r"prompt (\d+) tokens(?: \((\d+) cached\))?, generated (\d+) tokens, TTFT \d+ ms, [\d.]+ tok/s, "
+                   r"(?:accepted \d+/\d+ drafts, )?finish: (eos|stop|length|context)")
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +54,11 @@ def dsv41_cmd(env, *args, stdin: str | None = None) -> subprocess.CompletedProce
 
 
 def stats(stderr: str) -> list[tuple[int, int, str]]:
-    return [(int(a), int(b), r) for a, b, r in STATS.findall(stderr)]
+    return [(int(a), int(b), r) for a, _, b, r in STATS.findall(stderr)]
+
+
+def cached(stderr: str) -> list[int]:
+    return [int(c or 0) for _, c, _, _ in STATS.findall(stderr)]
 
 
 # ------------------------------------------------------------------------------------ generate
@@ -140,6 +144,18 @@ def test_chat_through_stdin(cli_env):
     assert len(turns) == 2
     # the second prompt re-encodes the first exchange, so it is longer than the first
     assert turns[1][0] > turns[0][0]
+
+
+def test_chat_turns_continue_the_kept_conversation(cli_env):
+    """In chat mode each turn's prompt extends the last prompt and reply: the engine reuses those
+    positions (thinking mode drops old reasoning, so there it cannot)."""
+    run = dsv41_cmd(cli_env, "chat", "--max-new-tokens", "4", "--temperature", "0",
+                    stdin="hello\nand then?\nthanks\n/exit\n")
+    assert run.returncode == 0, run.stderr
+    turns, reused = stats(run.stderr), cached(run.stderr)
+    assert len(turns) == 3 and reused[0] == 0
+    for i in (1, 2):                                      # all of the previous prompt, and the fed reply
+        assert turns[i - 1][0] + turns[i - 1][1] - 1 <= reused[i] < turns[i][0]
 
 
 # ------------------------------------------------------------------------------------ inspect, help, errors
