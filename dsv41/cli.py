@@ -133,6 +133,30 @@ def _score_parser(sub) -> None:
     _add_model_options(p)
 
 
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI- and Anthropic-compatible HTTP server on the engine",
+                       description="Serve /v1/chat/completions, /v1/completions and /v1/messages (streamed or "
+                                   "whole), /v1/models, /health and /metrics. The port opens at once; /health "
+                                   "answers 503 until the model has loaded.")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    g.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    g.add_argument("--api-key", metavar="KEY", default=os.environ.get("DSV41_API_KEY"),
+                   help="require this key (Authorization: Bearer KEY or x-api-key: KEY); default: $DSV41_API_KEY, "
+                        "else none")
+    g.add_argument("--served-model-name", metavar="NAME",
+                   help="the model name requests must give (default: the checkpoint directory's name, "
+                        "dsv41-demo for the demo)")
+    g.add_argument("--max-batch", type=int, default=8, metavar="N",
+                   help="requests decoded together: cache slots (default: 8)")
+    g.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests waiting for a slot before new ones get 429 (default: 64)")
+    g.add_argument("--speculative", action="store_true",
+                   help="DSpark speculative decoding for every request (lossless; needs DSpark stages)")
+    g.add_argument("--seed", type=int, help="sampling seed of requests without one (default: random per start)")
+    _add_model_options(p)
+
+
 def _inspect_parser(sub) -> None:
     p = sub.add_parser("inspect", help="explain a model config component by component",
                        description="Explain a config.json (or a checkpoint directory) component by component.")
@@ -145,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1 in PyTorch.")
     parser.add_argument("--version", action="version", version=f"dsv41 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_generate_parser, _chat_parser, _score_parser, _inspect_parser):
+    for add in (_generate_parser, _chat_parser, _score_parser, _serve_parser, _inspect_parser):
         add(sub)
     return parser
 
@@ -377,6 +401,38 @@ def cmd_score(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------ serve
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .server.app import ServerConfig, ServerState, create_app
+
+    for name in ("max_batch", "max_queue", "max_context"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be at least 1")
+    path = checkpoint_dir(args)
+    name = args.served_model_name or ("dsv41-demo" if args.checkpoint is None else path.resolve().name)
+    config = ServerConfig(model_name=name, api_key=args.api_key, max_batch=args.max_batch,
+                          max_context=args.max_context, speculative=args.speculative, max_queue=args.max_queue,
+                          seed=args.seed)
+    Tokenizer.from_dir(path)                                  # a broken checkpoint fails here, not later
+
+    def load_all():
+        tokenizer = Tokenizer.from_dir(path)
+        model = load_model(path, args, args.max_batch)
+        if args.speculative and not model.cfg.dspark_enabled:
+            raise ValueError("--speculative needs a checkpoint with DSpark stages (n_mtp_layers > 0)")
+        return model, tokenizer
+
+    app = create_app(ServerState(config, load_all))
+    _note(f"serving {name!r} at http://{args.host}:{args.port} (OpenAI: /v1/chat/completions, /v1/completions; "
+          f"Anthropic: /v1/messages); loading the model")
+    # on Ctrl-C / SIGTERM: stop accepting, let running requests finish (up to the drain timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=int(config.drain_timeout_s))
+    return 0
+
+
 # ------------------------------------------------------------------------------------ inspect
 def cmd_inspect(args, rest: list[str]) -> int:
     try:
@@ -390,7 +446,7 @@ def cmd_inspect(args, rest: list[str]) -> int:
 
 
 # ------------------------------------------------------------------------------------ entry point
-_COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "score": cmd_score}
+_COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "score": cmd_score, "serve": cmd_serve}
 
 
 # ConfigError, CheckpointError, CacheError, TokenizerError and the engine's checks are ValueErrors.

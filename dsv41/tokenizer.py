@@ -71,7 +71,10 @@ class Tokenizer:
 
     def encode_prompt(self, text: str) -> list[int]:
         """Encode an encoder-rendered prompt and check it starts with exactly one BOS (§2)."""
-        ids = self.encode(text)
+        return self.check_prompt_ids(self.encode(text))
+
+    def check_prompt_ids(self, ids: list[int]) -> list[int]:
+        """Chat prompt ids must start with exactly one BOS (§2); → ids."""
         if not ids or ids[0] != self.bos_id:
             raise TokenizerError("a chat prompt must start with the BOS token")
         if len(ids) > 1 and ids[1] == self.bos_id:

@@ -52,3 +52,50 @@ def demo_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DSV41_CACHE", str(root))
         return ensure_demo_checkpoint()
+
+
+# ------------------------------------------------------------------------------------ servers
+SERVER_CONTEXT = 1536
+
+
+@pytest.fixture(scope="session")
+def server_model(demo_dir):
+    """The demo model as the server tests share it: fast numerics (dequantised weights, quicker) with
+    invariant kernels (a position gives the same bits however calls are shaped, so alone = batched and
+    speculative = plain stay exact)."""
+    import dsv41
+    from dsv41.config import RuntimeConfig
+    from dsv41.tokenizer import Tokenizer
+    return dsv41.load(demo_dir, RuntimeConfig(max_seq_len=SERVER_CONTEXT, max_batch_size=4, numerics="fast", kernels="invariant")), \
+        Tokenizer.from_dir(demo_dir)
+
+
+@pytest.fixture(scope="session")
+def start_server(server_model):
+    """Start a server on loopback on the shared model (`load` replaces the loading), stopped at the
+    session's end."""
+    from dsv41.server.app import ServerConfig
+    from serving import LiveServer
+    started = []
+
+    def start(load=None, wait_ready=True, **config):
+        settings = dict(model_name="demo", max_batch=4, max_context=SERVER_CONTEXT, seed=0, max_body_bytes=1 << 20)
+        server = LiveServer(load or (lambda: server_model), ServerConfig(**{**settings, **config}))
+        started.append(server.start(wait_ready=wait_ready))
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def live(start_server):
+    """A server with the demo model (no speculation)."""
+    return start_server()
+
+
+@pytest.fixture(scope="session")
+def live_speculative(start_server):
+    """The same model behind a second server that speculates with its DSpark stages."""
+    return start_server(speculative=True)

@@ -23,8 +23,15 @@ from test_generate import SuccessorModel
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def completions(engine: Engine) -> list:
-    return sorted((e.completion for e in engine.run() if e.completion is not None), key=lambda c: c.request)
+def completions(engine: Engine, events: list | None = None) -> list:
+    """Run to the end → the completions by request id (token events appended to `events`)."""
+    done = []
+    for e in engine.run():
+        if e.completion is not None:
+            done.append(e.completion)
+        elif events is not None:
+            events.append(e)
+    return sorted(done, key=lambda c: c.request)
 
 
 @pytest.fixture(scope="module")
@@ -137,26 +144,28 @@ def second_turn(tok, first_prompt, first):
 
 def test_prefix_reuse_continues_the_kept_slot_and_equals_a_cold_run(demo, tok):
     """Turn 2's prompt extends turn 1's prompt and completion: the engine continues the kept slot (no
-    recomputation of the kept positions) and gives the cold run's bits: the logits of every newly fed
-    prompt position and the generated tokens."""
+    recomputation of the kept positions) and gives the cold run's bits: the generated tokens and the
+    log-probabilities of each, with the 20 most likely alternatives."""
     first_prompt = tok.encode("User: what is the capital of France? Assistant:")
     warm = Engine(demo, tok, EngineConfig(n_slots=2))
     warm.submit(Request(tuple(first_prompt), max_new_tokens=10, sampling=GREEDY, ignore_eos=True))
     [first] = completions(warm)
     prompt = second_turn(tok, first_prompt, first)
-    warm.submit(Request(tuple(prompt), max_new_tokens=10, sampling=GREEDY, ignore_eos=True, prompt_logits=True))
+    warm.submit(Request(tuple(prompt), max_new_tokens=10, sampling=GREEDY, ignore_eos=True, logprobs=20))
     before = warm.stats.tokens
-    [reused] = completions(warm)
+    warm_events, ref_events = [], []
+    [reused] = completions(warm, events=warm_events)
     kept = len(first_prompt) + 9                         # the 10th token was sampled, never fed
     assert reused.cached_tokens == kept and warm.stats.prefix_hits == 1
     assert warm.stats.tokens - before == (len(prompt) - kept) + 9        # only new positions were fed
 
     cold = Engine(demo, tok, EngineConfig(n_slots=1))
-    cold.submit(Request(tuple(prompt), max_new_tokens=10, sampling=GREEDY, ignore_eos=True, prompt_logits=True))
-    [ref] = completions(cold)
+    cold.submit(Request(tuple(prompt), max_new_tokens=10, sampling=GREEDY, ignore_eos=True, logprobs=20))
+    [ref] = completions(cold, events=ref_events)
     assert ref.cached_tokens == 0
     assert reused.token_ids == ref.token_ids
-    assert torch.equal(reused.prompt_logits, ref.prompt_logits[kept:])
+    assert [(e.logprob, e.top_logprobs) for e in warm_events] == [(e.logprob, e.top_logprobs) for e in ref_events]
+    assert all(e.top_logprobs and len(e.top_logprobs) == 20 for e in ref_events)
 
 
 def test_prefix_reuse_needs_the_whole_kept_sequence(demo, tok):
@@ -187,3 +196,17 @@ def test_kept_sequences_give_way_to_new_requests(tok):
     engine.submit(Request((10, 11, 12), max_new_tokens=1, sampling=GREEDY))     # its slot is gone
     done = completions(engine)
     assert [c.cached_tokens for c in done] == [2, 0]
+
+
+def test_a_request_for_prompt_logits_computes_every_position_even_after_a_kept_prefix(tok):
+    """Prompt logits promise entry t for every prompt token t, so such a request never continues a kept
+    sequence (scoring after a chat turn must not come back short)."""
+    mock = SuccessorModel(tok.vocab_size)
+    engine = Engine(mock, tok, EngineConfig(n_slots=2))
+    engine.submit(Request((10, 11), max_new_tokens=3, sampling=GREEDY))
+    [first] = completions(engine)
+    prompt = (10, 11) + tuple(first.token_ids) + (40,)
+    engine.submit(Request(prompt, max_new_tokens=0, prompt_logits=True))
+    [scored] = completions(engine)
+    assert scored.cached_tokens == 0 and scored.prompt_logits.shape[0] == len(prompt)
+    assert scored.prompt_logits.argmax(-1).tolist() == [(t + 1) % tok.vocab_size for t in prompt]

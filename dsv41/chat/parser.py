@@ -44,7 +44,7 @@ class _Malformed(Exception):
     pass
 
 
-def _argument_json(value: str, is_string: str) -> str:
+def argument_json(value: str, is_string: str) -> str:
     # string="true" values are JSON strings; string="false" values are inserted verbatim like
     # the official parser, unless they are not JSON, in which case they become strings.
     if is_string == "true":
@@ -58,7 +58,7 @@ def _argument_json(value: str, is_string: str) -> str:
 
 def _arguments(parameters: dict[str, tuple[str, str]]) -> str:
     items = (
-        f"{json.dumps(key, ensure_ascii=False)}: {_argument_json(value, flag)}"
+        f"{json.dumps(key, ensure_ascii=False)}: {argument_json(value, flag)}"
         for key, (value, flag) in parameters.items()
     )
     return "{" + ", ".join(items) + "}"

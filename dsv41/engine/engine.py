@@ -21,7 +21,7 @@ import torch
 from ..tokenizer import Tokenizer
 from .prefix import PrefixCache
 from .protocol import ModelInterface
-from .request import Completion, Request, StreamEvent, check_prompts
+from .request import Completion, Request, StreamEvent, TokenConstraint, check_prompts
 from .sampling import SamplingParams, probabilities, sample
 from .scheduler import Work, plan
 from .sequence import Sequence
@@ -173,7 +173,8 @@ class Engine:
                 self.waiting.pop(0)
                 events += seq.finish("context")                  # no position left to generate into
                 continue
-            hit = self.prefix.match(seq.request.prompt)
+            # prompt logits are wanted for every position, so a request for them computes them all
+            hit = None if seq.request.prompt_logits else self.prefix.match(seq.request.prompt)
             if hit is not None:
                 seq.slot, seq.fed = hit
                 seq.cached = seq.fed
@@ -238,15 +239,28 @@ class Engine:
                 return n, []
             if seq.request.max_new_tokens == 0:
                 return n, seq.finish("length")
-            return n, seq.accept(self._sample(seq, logits[-1:]))
+            return n, seq.accept(*self._sample(seq, logits[-1:]))
         if not work.drafts:
-            return 1, seq.accept(self._sample(seq, logits))
+            return 1, seq.accept(*self._sample(seq, logits))
         return self._verify(seq, work, logits, draft_probs)
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
-        params = seq.request.sampling
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, float | None, list | None]:
+        """Sample a row [1, V] (masked by the request's constraint) → (token, its logprob, top logprobs)."""
+        params, constraint = seq.request.sampling, seq.request.constraint
         history = [seq.tokens] if params.repetition_penalty != 1.0 else None
-        return int(sample(logits, params, seq.generator, history)[0])
+        masked = logits if constraint is None else constrained(logits, constraint)
+        token = int(sample(masked, params, seq.generator, history)[0])
+        if constraint is not None:
+            constraint.advance(token)
+        return (token, *self._logprobs(seq, logits[0], token))
+
+    def _logprobs(self, seq: Sequence, logits: torch.Tensor, token: int) -> tuple[float | None, list | None]:
+        n = seq.request.logprobs
+        if n is None:
+            return None, None
+        logp = torch.log_softmax(logits[:self.vocab_limit].float(), dim=-1)
+        top = logp.topk(n) if n else None
+        return float(logp[token]), (None if top is None else list(zip(top.indices.tolist(), top.values.tolist())))
 
     # ---------------------------------------------------------------------------------- speculation
     def _drafts_now(self, seq: Sequence) -> bool:
@@ -260,13 +274,20 @@ class Engine:
             return {}, {}
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
 
+        # a constrained row drafts under its constraint too (a copy walks along the drafts): forced
+        # markup is then drafted right; the proposal is still what p_d says, so the rule stays lossless
+        forks = [None if s.request.constraint is None else s.request.constraint.fork() for s in seqs]
+
         def choose(row_logits: torch.Tensor) -> torch.Tensor:
             picked = []
             for b, seq in enumerate(seqs):
-                p = probabilities(row_logits[b:b + 1], seq.request.sampling)
+                row = row_logits[b:b + 1] if forks[b] is None else constrained(row_logits[b:b + 1], forks[b])
+                p = probabilities(row, seq.request.sampling)
                 probs[b].append(p[0])
                 greedy = seq.request.sampling.greedy
                 picked.append(p.argmax(-1) if greedy else torch.multinomial(p, 1, generator=seq.generator)[:, 0])
+                if forks[b] is not None:
+                    forks[b].advance(int(picked[-1]))
             return torch.cat(picked)
 
         tokens = torch.tensor([s.pending for s in seqs], device=self.model.device)
@@ -276,14 +297,18 @@ class Engine:
         return drafts, {s.id: torch.stack(probs[b]) for b, s in enumerate(seqs)}
 
     def _verify(self, seq: Sequence, work: Work, logits: torch.Tensor, draft_probs: torch.Tensor):
-        p_target = probabilities(logits, seq.request.sampling)                       # [k + 1, V]
+        constraint = seq.request.constraint
+        target = logits if constraint is None else constrained_along(logits, constraint, work.tokens[1:])
+        p_target = probabilities(target, seq.request.sampling)                       # [k + 1, V]
         drafts = torch.tensor(work.tokens[1:])
         accepted, following = accept_drafts(p_target, draft_probs, drafts, seq.generator)
         seq.drafted += work.drafts
         seq.accepted += accepted
         events = []
-        for token in work.tokens[1:1 + accepted] + [following]:
-            events += seq.accept(token)
+        for i, token in enumerate(work.tokens[1:1 + accepted] + [following]):
+            if constraint is not None:
+                constraint.advance(token)
+            events += seq.accept(token, *self._logprobs(seq, logits[i], token))
             if seq.done:
                 break
         return 1 + accepted, events
@@ -294,6 +319,26 @@ class Engine:
         picks = [step.offsets[r] + i for r, k in enumerate(keep) for i in range(k)]
         kept = self.model.step(step.slots, step.starts, keep)
         self.model.dspark_observe(dspark_hidden[torch.tensor(picks, device=dspark_hidden.device)], kept, self.cache)
+
+
+# ------------------------------------------------------------------------------------ constraints
+def constrained(logits: torch.Tensor, constraint: TokenConstraint) -> torch.Tensor:
+    """One row [1, V] with the tokens the constraint forbids now at −inf."""
+    allowed = constraint.allowed(logits.shape[-1])
+    return logits if allowed is None else logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def constrained_along(logits: torch.Tensor, constraint: TokenConstraint, drafts: list[int]) -> torch.Tensor:
+    """Verify rows [k + 1, V]: row i masked as the constraint stands after drafts[:i] (a copy walks
+    them). Past a draft the constraint forbids, rows stay as they are: that draft is rejected (its
+    target probability is 0), so the rows after it are never used."""
+    fork, rows = constraint.fork(), []
+    for i in range(logits.shape[0]):
+        rows.append(constrained(logits[i:i + 1], fork))
+        if i == len(drafts) or not torch.isfinite(rows[-1][0, drafts[i]]):
+            break
+        fork.advance(drafts[i])
+    return torch.cat(rows + [logits[len(rows):]])
 
 
 # ------------------------------------------------------------------------------------ batch helpers

@@ -10,12 +10,26 @@ part of `token_ids` or `text` (the reference cuts completions before EOS). A sto
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from .sampling import SamplingParams
 
 FINISH_REASONS = ("eos", "stop", "length", "context", "cancelled")
+
+
+class TokenConstraint(Protocol):
+    """Restricts a request's next token (constrained decoding, e.g. a JSON schema or a tool call)."""
+
+    def allowed(self, vocab_size: int) -> torch.Tensor | None:
+        """bool [V]: the tokens the next step may sample (None: any)."""
+
+    def advance(self, token_id: int) -> None:
+        """The token sampled at this step."""
+
+    def fork(self) -> "TokenConstraint":
+        """An independent copy in the same state (speculation walks a copy along the drafts)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,10 @@ class Request:
     """At most this many prompt tokens per step (None: the engine's chunk)."""
     first_chunk: int | None = None
     """The first step's prompt tokens (`dsv41 score --prefill N`: N at once, then `prefill_chunk`)."""
+    constraint: TokenConstraint | None = field(default=None, compare=False)
+    """Masks each step's logits before sampling (and each draft and verified position when speculating)."""
+    logprobs: int | None = None
+    """Report each sampled token's log-probability and this many alternatives (None: off)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
@@ -51,6 +69,8 @@ class Request:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in 0 … 20, got {self.logprobs}")
         if self.speculative and self.sampling.repetition_penalty != 1.0:
             # each verified row would need its own history (prompt + the drafts before it)
             raise ValueError("speculative decoding does not support a repetition penalty")
@@ -99,6 +119,10 @@ class StreamEvent:
     token_id: int | None
     text: str
     completion: Completion | None = None
+    logprob: float | None = None
+    """With `Request.logprobs`: log p(token) under the model (before sampling transforms)."""
+    top_logprobs: list[tuple[int, float]] | None = None
+    """With `Request.logprobs` = n > 0: the n most likely (token id, log p), most likely first."""
 
 
 class StopStringFilter:

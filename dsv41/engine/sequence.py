@@ -67,7 +67,8 @@ class Sequence:
         return self.context - self.fed
 
     # ---------------------------------------------------------------------------------- tokens
-    def accept(self, token_id: int) -> list[StreamEvent]:
+    def accept(self, token_id: int, logprob: float | None = None,
+               top: list[tuple[int, float]] | None = None) -> list[StreamEvent]:
         """Commit a sampled token; returns its event, and the request's final event if it stopped."""
         now = time.perf_counter()
         self.produced += 1
@@ -77,7 +78,7 @@ class Sequence:
             return self.finish(self.end_ids[token_id], token_id)
         self.token_ids.append(token_id)
         shown, stop = self.filter.push(self.decoder.push(token_id) if self.decoder else "")
-        events = [StreamEvent(self.id, token_id, shown)]
+        events = [StreamEvent(self.id, token_id, shown, logprob=logprob, top_logprobs=top)]
         if stop is not None:
             return events + self.finish("stop", stop)
         if self.produced >= self.request.max_new_tokens:
