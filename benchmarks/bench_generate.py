@@ -1,5 +1,5 @@
 """Generation speed of the demo model through the engine: prefill tokens/s, TTFT and decode ms/token,
-for batch 1 and batch 4 (random weights: plumbing cost only, like GENERATION-AND-DSPARK.md §1.4).
+for batch 1 and batch 4 (random weights: plumbing cost only, like docs/GENERATION-AND-DSPARK.md §1.4).
 
 Run from the repository root: python -m benchmarks.bench_generate [--numerics fast] [--threads N]
 Prefill is timed as a bare forward of the whole prompt (best of 3); TTFT and decode come from

@@ -1,8 +1,12 @@
-"""The `dsv41` command: generate, chat, score and inspect (GENERATION-AND-DSPARK.md §1.3 is the baseline).
+"""The `dsv41` command: generate, chat, score, serve and inspect (docs/GENERATION-AND-DSPARK.md §1.3 is the
+baseline).
 
 Chat formatting lives here and in `dsv41.chat`; the engine (`dsv41.engine`) sees token ids only.
-Errors a user can cause (a missing checkpoint, a bad config, a prompt longer than the context, a bad
-ids file) end with one line `dsv41: error: …` and exit status 2; DSV41_DEBUG=1 shows the traceback.
+Errors a user can cause (`dsv41.errors.UserError`: a missing checkpoint, a bad config, a prompt longer
+than the context, a bad ids file, an argument out of range, a device this machine lacks) and file
+errors end with `dsv41: error: …` (one line; a layout error lists its first offenders) and exit status
+2, before anything is half-done where they can be known in advance. Anything else is a bug and says so
+(exit status 1). `--debug` or DSV41_DEBUG=1 shows the traceback.
 """
 
 from __future__ import annotations
@@ -25,21 +29,27 @@ from .engine.request import check_prompts
 from .repl import ChatSession, echo_to, input_lines, parse_effort, run_chat
 from .engine.sampling import SamplingParams
 from .engine.score import score
+from .errors import UserError
 from .tokenizer import Tokenizer
 
 EXIT_USAGE = 2
+EXIT_BUG = 1
 EXIT_INTERRUPTED = 130
-# The reference's seed and max_new_tokens defaults (GENERATION-AND-DSPARK.md §1.3).
+# A user error prints its first lines (a layout error lists the offending tensors), then a count.
+SHOWN_LINES = 8
+SEED_RANGE = (0, 2 ** 63 - 1)
+# The reference's seed and max_new_tokens defaults (docs/GENERATION-AND-DSPARK.md §1.3).
 DEFAULT_SEED = 33377335
 DEFAULT_MAX_NEW_TOKENS = 200
-# Model card recommendation (TOKENIZER-AND-CHAT.md §9, last paragraph).
+DEMO_MAX_NEW_TOKENS = 32
+# Model card recommendation (docs/TOKENIZER-AND-CHAT.md §9, last paragraph).
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 0.95
 DEFAULT_MAX_CONTEXT = 4096
 
 
-class CliError(Exception):
-    """A user error reported as one line."""
+class CliError(UserError):
+    """A mistake in the command line or its inputs."""
 
 
 # ------------------------------------------------------------------------------------ argument parser
@@ -61,19 +71,36 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="keep the Engram tables memory-mapped: only looked-up rows are ever read")
     g.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT, metavar="N",
                    help=f"positions the cache holds, prompt plus completion (default: {DEFAULT_MAX_CONTEXT})")
+    g.add_argument("--show-plan", action="store_true",
+                   help="print the load plan (bytes per device by component) before loading")
+    g.add_argument("--skip-memory-check", action="store_true",
+                   help="load even when the plan exceeds the memory available (swap, overcommit)")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
-    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
-                   help=f"(default: {DEFAULT_MAX_NEW_TOKENS})")
+    g.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"(default: {DEFAULT_MAX_NEW_TOKENS}; {DEMO_MAX_NEW_TOKENS} on the built-in demo, whose random "
+                        f"weights say nothing worth waiting for)")
     g.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
                    help=f"0 = greedy (default: {DEFAULT_TEMPERATURE})")
     g.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help=f"(default: {DEFAULT_TOP_P})")
     g.add_argument("--top-k", type=int, default=0, help="0 = off (default: 0)")
     g.add_argument("--min-p", type=float, default=0.0, help="(default: 0)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default: 1)")
-    g.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"sampling seed (default: {DEFAULT_SEED})")
+    g.add_argument("--seed", type=seed_value, default=DEFAULT_SEED,
+                   help=f"sampling seed, 0 … 2^63 − 1 (default: {DEFAULT_SEED})")
+
+
+def seed_value(text: str) -> int:
+    """argparse type of --seed: an integer a torch.Generator takes."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
+        raise argparse.ArgumentTypeError(f"{value} is outside 0 … 2^63 − 1")
+    return value
 
 
 def _add_chat_options(p: argparse.ArgumentParser) -> None:
@@ -100,6 +127,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--stop-id", action="append", default=[], type=int, metavar="ID", help="stop token id (repeatable)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past EOS (fixed-length runs, benchmarks)")
+    p.add_argument("--show-special", action="store_true",
+                   help="print special tokens (<｜end▁of▁sentence｜>, </think>, …) as text; hidden by default")
     p.add_argument("--speculative", action="store_true",
                    help="draft with the DSpark stages and verify each row's drafts in the same forward "
                         "(lossless); prints the acceptance figures")
@@ -112,7 +141,7 @@ def _chat_parser(sub) -> None:
     p = sub.add_parser("chat", help="interactive chat (reads lines from stdin)",
                        description="Interactive chat. Each line is a user message; the history is re-encoded "
                                    "every turn. Commands: /exit, /clear, /system TEXT, /think on|off, "
-                                   "/effort N|low|high|max, /help.")
+                                   "/effort N|low|high|max, /prompt [TEXT], /help.")
     _add_chat_options(p)
     _add_model_options(p)
     _add_sampling_options(p)
@@ -165,11 +194,31 @@ def _inspect_parser(sub) -> None:
     p.add_argument("--html", metavar="DIR", help="also write an HTML report into DIR")
 
 
+def _check_parser(sub) -> None:
+    p = sub.add_parser("check", help="validate a checkpoint directory without loading it; print its load plans",
+                       description="Validate a released-layout directory from its headers alone (names, dtypes, "
+                                   "shapes, shard sizes, the index's total_size, the tokenizer against the "
+                                   "config) and print the bytes per rank for world sizes 1, 2, 4 and 8 in both "
+                                   "numerics. Reads no tensor data. Exit status 2 when anything is wrong.")
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT, metavar="N",
+                   help=f"context the plans are made for (default: {DEFAULT_MAX_CONTEXT})")
+    p.add_argument("--max-batch", type=int, default=1, metavar="N", help="sequences the plans hold (default: 1)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake said in one line (the usage is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1 in PyTorch.")
+    parser = _Parser(prog="dsv41", description="DeepSeek-V4.1 in PyTorch.")
     parser.add_argument("--version", action="version", version=f"dsv41 {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also DSV41_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_generate_parser, _chat_parser, _score_parser, _serve_parser, _inspect_parser):
+    for add in (_generate_parser, _chat_parser, _score_parser, _serve_parser, _check_parser, _inspect_parser):
         add(sub)
     return parser
 
@@ -185,31 +234,58 @@ def checkpoint_dir(args) -> Path:
         _note(f"note: using the built-in demo model at {path}; its weights are random, so its text is not language")
         return path
     path = Path(args.checkpoint)
+    if path.is_file():
+        raise CliError(f"--checkpoint {path} is a file; give the checkpoint's directory")
     if not path.is_dir():
         raise CliError(f"checkpoint directory not found: {path}")
+    if not (path / "config.json").is_file():
+        raise CliError(f"{path} is not a checkpoint directory: it has no config.json")
     return path
 
 
 def _device(args) -> str:
-    if args.device:
-        return args.device
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """The --device, checked: a torch device this machine has, which can hold data."""
+    name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise CliError(f"--device {name!r} is not a device (cpu, cuda, cuda:N or mps)") from None
+    if device.type == "meta":
+        raise CliError("--device meta holds no data, so nothing can run on it (dsv41 inspect explains a model "
+                       "without weights)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CliError(f"--device {name}: no CUDA device is available here (torch.cuda.is_available() is "
+                           f"False)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise CliError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise CliError(f"--device {name}: MPS is not available here")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise CliError(f"--device {name}: dsv41 runs on cpu, cuda or mps")
+    return str(device)
 
 
 def load_model(path: Path, args, batch_size: int):
     device = _device(args)
     runtime = RuntimeConfig(max_batch_size=batch_size, max_seq_len=args.max_context, device=device,
                             dtype=args.dtype, numerics=args.numerics, kernels=args.kernels)
-    return load(path, runtime, device=device, engram_on_disk=args.engram_on_disk)
+    show = (lambda plan: _note("\n".join(plan.lines()))) if args.show_plan else None
+    return load(path, runtime, device=device, engram_on_disk=args.engram_on_disk,
+                check_memory=not args.skip_memory_check, on_plan=show)
 
 
 def generation_config(args, stop_strings=(), stop_ids=()):
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, repetition_penalty=args.repetition_penalty)
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+    length = args.max_new_tokens
+    if length is None:
+        length = DEMO_MAX_NEW_TOKENS if args.checkpoint is None else DEFAULT_MAX_NEW_TOKENS
+    return GenerationConfig(max_new_tokens=length, sampling=sampling, seed=args.seed,
                             stop_strings=tuple(stop_strings), stop_token_ids=tuple(stop_ids),
                             max_context=args.max_context, ignore_eos=getattr(args, "ignore_eos", False),
-                            speculative=getattr(args, "speculative", False))
+                            speculative=getattr(args, "speculative", False),
+                            skip_special_tokens=not getattr(args, "show_special", True))
 
 
 # ------------------------------------------------------------------------------------ generate
@@ -236,12 +312,38 @@ def _json_case(item, where: str):
     raise CliError(f"{where}: each case must be a string, a message list or {{\"messages\": [...]}}")
 
 
-def read_prompt_file(path: str) -> list:
-    file = Path(path)
+def decoded(data: bytes, source: str) -> str:
     try:
-        text = file.read_text(encoding="utf-8")
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CliError(f"{source} is not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start})") from None
+
+
+def read_text_file(path: str) -> str:
+    try:
+        return decoded(Path(path).read_bytes(), path)
     except OSError as e:
         raise CliError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def read_stdin() -> str:
+    buffer = getattr(sys.stdin, "buffer", None)
+    return (decoded(buffer.read(), "stdin") if buffer is not None else sys.stdin.read()).rstrip("\n")
+
+
+def checked_arguments(texts: list[str], what: str) -> list[str]:
+    """Command-line texts: valid UTF-8 (Python keeps undecodable bytes as surrogates) and not blank."""
+    for i, text in enumerate(texts, start=1):
+        if any("\udc80" <= c <= "\udcff" for c in text):
+            raise CliError(f"{what} {i} is not valid UTF-8")
+        if not text.strip():
+            raise CliError(f"{what} {i} is empty")
+    return texts
+
+
+def read_prompt_file(path: str) -> list:
+    file = Path(path)
+    text = read_text_file(path)
     if file.suffix != ".json":
         return _split_blank_lines(text)
     try:
@@ -261,13 +363,13 @@ def prompt_cases(args) -> list:
     if args.prompt and args.file:
         raise CliError("give prompts as arguments or with --file, not both")
     if args.prompt:
-        return list(args.prompt)
+        return checked_arguments(list(args.prompt), "prompt")
     if args.file:
         cases = read_prompt_file(args.file)
     elif sys.stdin.isatty():
         raise CliError("no prompt: give PROMPT arguments, --file F, or pipe text on stdin")
     else:
-        cases = [sys.stdin.read().rstrip("\n")]
+        cases = [read_stdin()]
     if not cases or any(isinstance(c, str) and not c.strip() for c in cases):
         raise CliError("empty prompt")
     return cases
@@ -291,9 +393,14 @@ def encode_case(tokenizer, case, args) -> list[int]:
 
 
 def cmd_generate(args) -> int:
+    if args.effort is not None and not args.thinking:
+        raise CliError("--effort sets the reasoning effort of thinking mode; add --thinking")
     cases = prompt_cases(args)
     path = checkpoint_dir(args)
     tokenizer = Tokenizer.from_dir(path)
+    bad = [t for t in args.stop_id if not 0 <= t < tokenizer.vocab_size]
+    if bad:
+        raise CliError(f"--stop-id {bad[0]} is not a token id of this tokenizer (0 … {tokenizer.vocab_size - 1})")
     prompts = [encode_case(tokenizer, c, args) for c in cases]
     config = generation_config(args, args.stop, args.stop_id)
     check_prompts(prompts, args.max_context, tokenizer.vocab_size)     # before the (slow) load
@@ -329,9 +436,7 @@ def cmd_chat(args) -> int:
 # ------------------------------------------------------------------------------------ score
 def read_ids_file(path: str, vocab: int) -> list[list[int]]:
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise CliError(f"cannot read {path}: {e.strerror or e}") from None
+        data = json.loads(read_text_file(path))
     except json.JSONDecodeError as e:
         raise CliError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, list) or not data or not all(isinstance(s, list) and s for s in data):
@@ -348,11 +453,11 @@ def score_sequences(args, tokenizer) -> list[list[int]]:
         raise CliError("give texts or --ids, not both")
     if args.ids:
         return read_ids_file(args.ids, tokenizer.vocab_size)
-    texts = list(args.text)
+    texts = checked_arguments(list(args.text), "text")
     if not texts:
         if sys.stdin.isatty():
             raise CliError("nothing to score: give TEXT arguments, --ids FILE.json, or pipe text on stdin")
-        texts = [sys.stdin.read().rstrip("\n")]
+        texts = checked_arguments([read_stdin()], "stdin text")
     sequences = []
     for text in texts:
         ids = tokenizer.encode(text)
@@ -389,6 +494,9 @@ def dump_logits(path: str, result, sequences) -> None:
 
 
 def cmd_score(args) -> int:
+    if args.dump_logits and not Path(args.dump_logits).resolve().parent.is_dir():
+        raise CliError(f"--dump-logits {args.dump_logits}: the directory {Path(args.dump_logits).parent} does not "
+                       f"exist")
     path = checkpoint_dir(args)
     tokenizer = Tokenizer.from_dir(path)
     sequences = score_sequences(args, tokenizer)
@@ -421,7 +529,7 @@ def cmd_serve(args) -> int:
         tokenizer = Tokenizer.from_dir(path)
         model = load_model(path, args, args.max_batch)
         if args.speculative and not model.cfg.dspark_enabled:
-            raise ValueError("--speculative needs a checkpoint with DSpark stages (n_mtp_layers > 0)")
+            raise CliError("--speculative needs a checkpoint with DSpark stages (n_mtp_layers > 0)")
         return model, tokenizer
 
     app = create_app(ServerState(config, load_all))
@@ -431,6 +539,18 @@ def cmd_serve(args) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 timeout_graceful_shutdown=int(config.drain_timeout_s))
     return 0
+
+
+# ------------------------------------------------------------------------------------ check
+def cmd_check(args) -> int:
+    from .checkpoint.check import check_directory, render
+
+    for name in ("max_batch", "max_context"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be at least 1")
+    report = check_directory(Path(args.directory), context=args.max_context, batch=args.max_batch)
+    sys.stdout.write(render(report))
+    return 0 if report.ok else EXIT_USAGE
 
 
 # ------------------------------------------------------------------------------------ inspect
@@ -446,26 +566,45 @@ def cmd_inspect(args, rest: list[str]) -> int:
 
 
 # ------------------------------------------------------------------------------------ entry point
-_COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "score": cmd_score, "serve": cmd_serve}
+_COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "score": cmd_score, "serve": cmd_serve, "check": cmd_check}
 
 
-# ConfigError, CheckpointError, CacheError, TokenizerError and the engine's checks are ValueErrors.
-USER_ERRORS = (CliError, ValueError, OSError)
+# What a user can get wrong (dsv41.errors), and the files and devices around it.
+USER_ERRORS = (UserError, OSError)
+
+
+def one_error(e: BaseException) -> str:
+    lines = str(e).splitlines() or [type(e).__name__]
+    if len(lines) > SHOWN_LINES:
+        lines = lines[:SHOWN_LINES] + [f"… and {len(lines) - SHOWN_LINES} more lines"]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    debug = args.debug or bool(os.environ.get("DSV41_DEBUG"))
     try:
+        if hasattr(args, "device"):
+            _device(args)                              # before anything is created or read
         if args.command == "inspect":
             return cmd_inspect(args, argv[argv.index("inspect") + 1:])
         return _COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:                            # `dsv41 … | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except USER_ERRORS as e:
-        if os.environ.get("DSV41_DEBUG"):
+        if debug:
             raise
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"dsv41: error: {message}", file=sys.stderr, flush=True)
+        print(f"dsv41: error: {one_error(e)}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except Exception as e:                             # not the user's doing: a bug, and said to be one
+        if debug:
+            raise
+        print(f"dsv41: internal error (a bug in dsv41; please report it with the command that caused it): "
+              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} — run with --debug for the "
+              f"traceback", file=sys.stderr, flush=True)
+        return EXIT_BUG

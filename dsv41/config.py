@@ -1,6 +1,6 @@
 """Model and runtime configuration.
 
-`ModelConfig` mirrors the released `inference/config.json` key for key (ARCHITECTURE.md §2) and is
+`ModelConfig` mirrors the released `inference/config.json` key for key (docs/ARCHITECTURE.md §2) and is
 validated once, at construction; `RuntimeConfig` holds what the released file does not decide (cache
 sizes, device, dtype, numerics mode). The two never mix (STYLE.md P2).
 """
@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import UserError
+
 
 # The released inference/config.json of DeepSeek-V4.1-Flash, shipped with the package (MIT).
 RELEASED_CONFIG = Path(__file__).resolve().parent / "configs" / "deepseek-v4.1-flash.json"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration that breaks a rule; the message names the key and the rule."""
 
 
@@ -90,7 +92,7 @@ class ModelConfig:
     vision_max_wh_ratio: float | None = None
     vision_rope_theta: float = 10000.0
     image_token_id: int | None = None
-    # Read by the reference but absent from the released JSON (ARCHITECTURE.md §2).
+    # Read by the reference but absent from the released JSON (docs/ARCHITECTURE.md §2).
     gate_temp: float = 1.0
 
     def __post_init__(self) -> None:
@@ -158,12 +160,12 @@ class ModelConfig:
 
     @property
     def hc_mix_width(self) -> int:
-        """(2 + S)·S: pre, post and the S×S comb matrix (ARCHITECTURE.md §7)."""
+        """(2 + S)·S: pre, post and the S×S comb matrix (docs/ARCHITECTURE.md §7)."""
         return (2 + self.hc_mult) * self.hc_mult
 
     @property
     def engram_hash_columns(self) -> int:
-        """N = (max_ngram − 1) · heads hash columns per position (ENGRAM-HASHING.md §2)."""
+        """N = (max_ngram − 1) · heads hash columns per position (docs/ENGRAM-HASHING.md §2)."""
         return max(self.engram_max_ngram_size - 1, 0) * self.engram_n_heads
 
     @property
@@ -242,7 +244,7 @@ def _validate(c: ModelConfig) -> None:
     _check(c.expert_dtype in ("fp4", "fp8", "bf16", None),
            f"expert_dtype must be 'fp4', 'fp8', 'bf16' or null, got {c.expert_dtype!r}")
     if c.dtype == "fp8":
-        # fp8 Linears quantise activations in blocks of 32 along the input (ARCHITECTURE.md §6.3).
+        # fp8 Linears quantise activations in blocks of 32 along the input (docs/ARCHITECTURE.md §6.3).
         for name in ("dim", "q_lora_rank", "moe_inter_dim"):
             _divides(name, getattr(c, name), "the fp8 block size", 32)
         _divides("n_groups·o_lora_rank", c.o_groups * c.o_lora_rank, "the fp8 block size", 32)
@@ -323,6 +325,10 @@ NUMERICS_MODES = ("reference", "fast")
 KERNEL_CHOICES = ("invariant", "blas")
 
 
+INDEXER_BUDGET_BYTES = 256 << 20
+"""The indexer's default budget: at 1M context its transient stays under 1 GiB instead of ~96 GiB."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
     """What the released config does not decide: limits, placement and numerics (STYLE.md P2)."""
@@ -334,12 +340,15 @@ class RuntimeConfig:
     numerics: str = "reference"
     kernels: str | None = None
     """"invariant" or "blas" (numerics.py); None: invariant for reference numerics, blas for fast."""
+    indexer_budget_bytes: int = INDEXER_BUDGET_BYTES
+    """Largest tensor the indexer may allocate while scoring a call (it works in chunks to stay within it)."""
     stale_index_keys: bool = False
-    """Reproduce the reference's stale index-key slot (ARCHITECTURE.md §17 trap 15); off by default."""
+    """Reproduce the reference's stale index-key slot (docs/ARCHITECTURE.md §17 trap 15); off by default."""
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size > 0, f"max_batch_size must be positive, got {self.max_batch_size}")
         _check(self.max_seq_len > 0, f"max_seq_len must be positive, got {self.max_seq_len}")
+        _check(self.indexer_budget_bytes > 0, f"indexer_budget_bytes must be positive, got {self.indexer_budget_bytes}")
         _check(self.numerics in NUMERICS_MODES, f"numerics must be one of {NUMERICS_MODES}, got {self.numerics!r}")
         _check(self.kernels in (None,) + KERNEL_CHOICES,
                f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")

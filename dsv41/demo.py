@@ -22,13 +22,13 @@ from .chat import encoding
 DEMO_NAME = "demo-v2"
 DEMO_SEED = 20261129
 DEMO_VOCAB = 1024
-# Prompt-format special tokens (TOKENIZER-AND-CHAT.md §1.1); BOS, EOS and pad take ids 0, 1, 2 as released.
+# Prompt-format special tokens (docs/TOKENIZER-AND-CHAT.md §1.1); BOS, EOS and pad take ids 0, 1, 2 as released.
 SPECIAL_TOKENS = [
     encoding.BOS, encoding.EOS, "<｜▁pad▁｜>", encoding.SYSTEM, encoding.USER, encoding.ASSISTANT,
     encoding.LATEST_REMINDER, encoding.THINK_START, encoding.THINK_END, encoding.DSML, encoding.IMAGE_PLACEHOLDER,
     "<｜action｜>", "<｜query｜>", "<｜authority｜>", "<｜domain｜>", "<｜title｜>", "<｜read_url｜>",
 ]
-# Pre-tokenizer splits of the released tokenizer (TOKENIZER-AND-CHAT.md §1), then byte level.
+# Pre-tokenizer splits of the released tokenizer (docs/TOKENIZER-AND-CHAT.md §1), then byte level.
 _SPLITS = (
     r"\p{N}{1,3}",
     r"[一-龥぀-ゟ゠-ヿ]+",

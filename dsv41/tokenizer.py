@@ -1,6 +1,6 @@
 """The checkpoint's tokenizer (`tokenizer.json`, byte-level BPE) and an incremental detokenizer.
 
-TOKENIZER-AND-CHAT.md §1–§2: the release loads `tokenizer.json` with the Hugging Face `tokenizers`
+docs/TOKENIZER-AND-CHAT.md §1–§2: the release loads `tokenizer.json` with the Hugging Face `tokenizers`
 library, adds no BOS or EOS (`add_bos = false`), and matches added-token strings literally in text. The
 prompt encoder writes the BOS string itself, so text is always encoded without special tokens; a
 tokenizer that added its own BOS would produce the double BOS of pitfall 2.
@@ -13,6 +13,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as _Backend
 
 from .chat.encoding import BOS, EOS
+from .errors import UserError
 
 TOKENIZER_FILE = "tokenizer.json"
 # What byte-level decoding yields for a UTF-8 sequence cut short: a streamed piece ending in it is held
@@ -20,7 +21,7 @@ TOKENIZER_FILE = "tokenizer.json"
 REPLACEMENT_CHAR = "\ufffd"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError):
     """A tokenizer file that is missing or lacks a token dsv41 needs; the message names the file."""
 
 
@@ -78,7 +79,7 @@ class Tokenizer:
         if not ids or ids[0] != self.bos_id:
             raise TokenizerError("a chat prompt must start with the BOS token")
         if len(ids) > 1 and ids[1] == self.bos_id:
-            raise TokenizerError("the prompt starts with two BOS tokens (TOKENIZER-AND-CHAT.md §9 pitfall 2)")
+            raise TokenizerError("the prompt starts with two BOS tokens (docs/TOKENIZER-AND-CHAT.md §9 pitfall 2)")
         return ids
 
     def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":

@@ -38,7 +38,7 @@ def released_cfg():
 
 @pytest.fixture(scope="session")
 def released_inv(released_cfg):
-    """The released checkpoint layout (CHECKPOINT.md §3), built once per session."""
+    """The released checkpoint layout (docs/CHECKPOINT.md §3), built once per session."""
     from dsv41.checkpoint import released_inventory
     return released_inventory(released_cfg)
 

@@ -17,7 +17,7 @@ The window is 8 positions, so any test with more than 8 positions crosses the ri
 
 - `nonbinding_config`: every expert active, `index_topk` and the candidate stage larger than any
   position count the tests reach (max_seq_len 64), so no discrete choice can flip between two
-  numerically different paths (ARCHITECTURE.md §17 trap 23).
+  numerically different paths (docs/ARCHITECTURE.md §17 trap 23).
 - `binding_config`: top-2 of 4 experts, `index_topk` 4, 2 candidate blocks of 2: every discrete choice
   is live.
 """

@@ -1,4 +1,4 @@
-"""Attention pieces against brute force and slow formulas (ARCHITECTURE.md §11): window rows, sparse
+"""Attention pieces against brute force and slow formulas (docs/ARCHITECTURE.md §11): window rows, sparse
 attention with a sink, visibility, top-K, candidate blocks, the compressor, indexer scores, and the
 stale index-key switch (trap 15)."""
 

@@ -1,4 +1,4 @@
-"""Prompt encoder against the official fixtures and the rules of TOKENIZER-AND-CHAT.md §4-§6.
+"""Prompt encoder against the official fixtures and the rules of docs/TOKENIZER-AND-CHAT.md §4-§6.
 
 Expected prompts are written out by hand from the spec, never produced by the encoder.
 """

@@ -1,4 +1,4 @@
-"""Completion parser (TOKENIZER-AND-CHAT.md §8): round trips through the encoder, official
+"""Completion parser (docs/TOKENIZER-AND-CHAT.md §8): round trips through the encoder, official
 behaviour on well-formed text, and the lenient / strict handling of everything else."""
 
 import json

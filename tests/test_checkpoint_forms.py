@@ -1,5 +1,5 @@
-"""Every storage form of the config goes through save → load → forward (ARCHITECTURE.md §2, §6.2;
-CHECKPOINT.md §2), and a stored weight in a form its module cannot take is refused, never cast.
+"""Every storage form of the config goes through save → load → forward (docs/ARCHITECTURE.md §2, §6.2;
+docs/CHECKPOINT.md §2), and a stored weight in a form its module cannot take is refused, never cast.
 
 Forms: `dtype` ("fp8", "bf16") stores the dense Linears, Engram's wkv included; routed experts are fp4
 when `expert_dtype` is "fp4" and otherwise follow `dtype` (the reference's reading of the key). The
@@ -34,7 +34,7 @@ ENGRAM = dict(engram_layer_ids=(1,), engram_vocab_size=101, engram_num_embedding
               engram_max_ngram_size=3, engram_pad_id=2, engram_compressed_vocab_size=VOCAB, engram_n_heads=2,
               engram_head_dim=32)
 
-# Linears whose storage is fixed whatever the config says (CHECKPOINT.md §3.3: compressor, indexer
+# Linears whose storage is fixed whatever the config says (docs/CHECKPOINT.md §3.3: compressor, indexer
 # weights_proj / wk, router, DSpark confidence head are bf16; the Engram table is fp8 rows).
 ALWAYS_BF16 = re.compile(r"\.(compressor\.w\w+|indexer\.weights_proj|indexer\.wk|ffn\.gate|confidence_head\.proj)$")
 ALWAYS_FP8 = re.compile(r"\.engram\.embed$")

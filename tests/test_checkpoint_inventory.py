@@ -1,4 +1,4 @@
-"""The released inventory against the figures and tables of CHECKPOINT.md §3–§4."""
+"""The released inventory against the figures and tables of docs/CHECKPOINT.md §3–§4."""
 
 
 import pytest
@@ -24,7 +24,7 @@ def _bytes(inv, predicate):
 
 
 def test_release_count_and_total_bytes(inv):
-    # CHECKPOINT.md §1 / §3.5: weight_map size and metadata.total_size of the released index.
+    # docs/CHECKPOINT.md §1 / §3.5: weight_map size and metadata.total_size of the released index.
     assert len(inv) == 96_085
     assert inventory_bytes(inv) == 510_286_023_000
 

@@ -1,4 +1,4 @@
-"""The tensor-parallel table against CHECKPOINT.md §5."""
+"""The tensor-parallel table against docs/CHECKPOINT.md §5."""
 
 
 import pytest
@@ -81,7 +81,7 @@ def test_split_slices_tile_the_dim():
     assert rank_slice("layers.0.attn.wq_a.weight", (1280, 5120), 3, 4) is None
 
 
-# CHECKPOINT.md §5: rows per rank and padding of the two Engram tables.
+# docs/CHECKPOINT.md §5: rows per rank and padding of the two Engram tables.
 ENGRAM_TABLE = [
     (1, 384_006_168, 0, 384_016_682, 0),
     (2, 192_003_084, 0, 192_008_341, 0),

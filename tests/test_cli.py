@@ -7,7 +7,7 @@ in-process through `cli.main`, which is the same code without the interpreter st
 
 from __future__ import annotations
 
-import importlib
+import io
 import json
 import os
 import re
@@ -53,6 +53,15 @@ def dsv41_cmd(env, *args, stdin: str | None = None) -> subprocess.CompletedProce
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
 
 
+def run_cli(argv: list[str], capsys, monkeypatch, stdin: str = "") -> tuple[int, str, str]:
+    """`dsv41 ARGV` in this process, stdin fed from `stdin`: (exit status, stdout, stderr)."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
+    capsys.readouterr()
+    status = cli.main(argv)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
 def stats(stderr: str) -> list[tuple[int, int, str]]:
     return [(int(a), int(b), r) for a, _, b, r in STATS.findall(stderr)]
 
@@ -71,42 +80,104 @@ def test_generate_prompt_argument_matches_the_engine(cli_env, demo_dir):
     tok = Tokenizer.from_dir(demo_dir)
     model = dsv41.load(demo_dir, RuntimeConfig(max_seq_len=cli.DEFAULT_MAX_CONTEXT))
     prompt = tok.encode_prompt(encode_messages([{"role": "user", "content": "Hello, who are you?"}], "chat"))
-    [c] = generate_all(model, tok, [prompt], GenerationConfig(max_new_tokens=5, sampling=SamplingParams(0.0)))
+    [c] = generate_all(model, tok, [prompt], GenerationConfig(max_new_tokens=5, sampling=SamplingParams(0.0),
+                                                              skip_special_tokens=True))
     assert run.stdout == c.text + "\n"
     assert (prompt_tokens, generated) == (len(prompt), c.generated_tokens)
 
 
-def test_generate_from_stdin_raw(cli_env):
-    run = dsv41_cmd(cli_env, "generate", "--raw", "--max-new-tokens", "3", stdin="The quick brown fox\n")
-    assert run.returncode == 0, run.stderr
-    [(prompt_tokens, generated, _)] = stats(run.stderr)
+def test_generate_from_stdin_raw(in_process_env, capsys, monkeypatch):
+    status, _, err = run_cli(["generate", "--raw", "--max-new-tokens", "3"], capsys, monkeypatch,
+                             stdin="The quick brown fox\n")
+    assert status == 0, err
+    [(prompt_tokens, generated, _)] = stats(err)
     assert 0 < generated <= 3 and prompt_tokens == 4               # The, quick, brown, fox
 
 
-def test_generate_several_prompts_prints_headers(cli_env):
-    run = dsv41_cmd(cli_env, "generate", "--raw", "one", "two words", "--max-new-tokens", "2", "--stop", "zz")
-    assert run.returncode == 0, run.stderr
-    assert "=== completion 0 ===" in run.stdout and "=== completion 1 ===" in run.stdout
-    assert len(stats(run.stderr)) == 2
+def test_generate_several_prompts_prints_headers(in_process_env, capsys, monkeypatch):
+    status, out, err = run_cli(["generate", "--raw", "one", "two words", "--max-new-tokens", "2", "--stop", "zz"],
+                               capsys, monkeypatch)
+    assert status == 0, err
+    assert "=== completion 0 ===" in out and "=== completion 1 ===" in out
+    assert len(stats(err)) == 2
+
+
+def test_demo_default_length_is_short_and_a_checkpoint_gets_the_reference_default(in_process_env, demo_dir, capsys,
+                                                                                  monkeypatch):
+    status, _, err = run_cli(["generate", "hi", "--ignore-eos", "--numerics", "fast"], capsys, monkeypatch)
+    assert status == 0, err
+    assert [g for _, g, _ in stats(err)] == [cli.DEMO_MAX_NEW_TOKENS]
+    seen = []
+    monkeypatch.setattr(cli, "generate_all", lambda m, t, p, config, *rest: seen.append(config.max_new_tokens) or [])
+    for argv in (["--checkpoint", str(demo_dir)], ["--max-new-tokens", "7"]):
+        status, _, err = run_cli(["generate", "hi", "--numerics", "fast", *argv], capsys, monkeypatch)
+        assert status == 0, err
+    assert seen == [cli.DEFAULT_MAX_NEW_TOKENS, 7]
+
+
+def test_special_tokens_are_hidden_unless_asked(in_process_env, capsys, monkeypatch):
+    seen = []
+    real = cli.generate_all
+    monkeypatch.setattr(cli, "generate_all", lambda m, t, p, config, *rest: seen.append(config.skip_special_tokens)
+                        or real(m, t, p, config, *rest))
+    for flag in ((), ("--show-special",)):
+        status, _, err = run_cli(["generate", "hi", "--max-new-tokens", "1", "--numerics", "fast", *flag], capsys,
+                                 monkeypatch)
+        assert status == 0, err
+    assert seen == [True, False]
+
+
+class _Only:
+    """A constraint that allows one token: forces the engine to emit it."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        return torch.arange(vocab_size) == self.token
+
+    def advance(self, token_id: int) -> None:
+        pass
+
+    def fork(self) -> "_Only":
+        return self
+
+
+def test_the_engine_leaves_special_tokens_out_of_the_text_when_asked(demo_dir):
+    from dsv41.engine.engine import Engine, EngineConfig
+    from dsv41.engine.request import Request
+    tok = Tokenizer.from_dir(demo_dir)
+    think = tok.token_to_id("<think>")
+    model = dsv41.load(demo_dir, RuntimeConfig(max_seq_len=64, numerics="fast"))
+    texts = {}
+    for skip in (False, True):
+        engine = Engine(model, tok, EngineConfig(n_slots=1, prefix_cache=0))
+        engine.submit(Request((0, 5), max_new_tokens=3, ignore_eos=True, constraint=_Only(think),
+                              skip_special_tokens=skip))
+        done = [e.completion for e in engine.run() if getattr(e, "completion", None) is not None]
+        assert done[0].token_ids == [think] * 3
+        texts[skip] = done[0].text
+    assert texts == {False: "<think>" * 3, True: ""}
 
 
 # ------------------------------------------------------------------------------------ score
-def test_score_text(cli_env):
-    run = dsv41_cmd(cli_env, "score", "Hello world", "The quick brown fox")
-    assert run.returncode == 0, run.stderr
-    rows = [line.split("\t") for line in run.stdout.splitlines() if line and not line.startswith(("#", "perp"))]
+def test_score_text(in_process_env, capsys, monkeypatch):
+    status, out, err = run_cli(["score", "Hello world", "The quick brown fox"], capsys, monkeypatch)
+    assert status == 0, err
+    rows = [line.split("\t") for line in out.splitlines() if line and not line.startswith(("#", "perp"))]
     values = [float(r[3]) for r in rows if r[3] != "-"]
     assert len(values) == len(rows) - 2 and all(v <= 0 for v in values)
-    perplexities = [float(line.split("\t")[1]) for line in run.stdout.splitlines() if line.startswith("perplexity")]
+    perplexities = [float(line.split("\t")[1]) for line in out.splitlines() if line.startswith("perplexity")]
     assert len(perplexities) == 2 and all(p > 1 for p in perplexities)
 
 
-def test_score_ids_and_dump_logits(cli_env, demo_dir, tmp_path):
+def test_score_ids_and_dump_logits(in_process_env, demo_dir, tmp_path, capsys, monkeypatch):
     seqs = [[0, 366, 637, 685, 576], [0, 56, 615]]
     ids_file, npz = tmp_path / "ids.json", tmp_path / "logits.npz"
     ids_file.write_text(json.dumps(seqs))
-    run = dsv41_cmd(cli_env, "score", "--ids", str(ids_file), "--dump-logits", str(npz), "--prefill", "2")
-    assert run.returncode == 0, run.stderr
+    status, out, err = run_cli(["score", "--ids", str(ids_file), "--dump-logits", str(npz), "--prefill", "2"], capsys,
+                               monkeypatch)
+    assert status == 0, err
     data = np.load(npz)
     logits = data["logits"]
     assert logits.shape == (2, 5, 709) and logits.dtype == np.float32
@@ -119,7 +190,7 @@ def test_score_ids_and_dump_logits(cli_env, demo_dir, tmp_path):
         np.testing.assert_allclose(logits[i, :n], expect[i, :n], atol=1e-3)
     # the printed log-probs are the log-softmax of the dumped logits
     logp = torch.log_softmax(torch.from_numpy(logits), -1)
-    printed = [float(line.split("\t")[3]) for line in run.stdout.splitlines()
+    printed = [float(line.split("\t")[3]) for line in out.splitlines()
                if line[:1].isdigit() and not line.endswith("\t-")]
     direct = [float(logp[i, t, seq[t + 1]]) for i, seq in enumerate(seqs) for t in range(len(seq) - 1)]
     np.testing.assert_allclose(printed, direct, atol=1e-5)
@@ -136,35 +207,33 @@ def test_score_bad_ids_file_is_one_clean_line(in_process_env, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------ chat
-def test_chat_through_stdin(cli_env):
-    run = dsv41_cmd(cli_env, "chat", "--max-new-tokens", "3", stdin="hello\n/think on\nhi\n/exit\n")
-    assert run.returncode == 0, run.stderr
-    assert "thinking mode on" in run.stderr
-    turns = stats(run.stderr)
+def test_chat_through_stdin(in_process_env, capsys, monkeypatch):
+    status, _, err = run_cli(["chat", "--max-new-tokens", "3"], capsys, monkeypatch, stdin="hello\n/think on\nhi\n/exit\n")
+    assert status == 0, err
+    assert "thinking mode on" in err
+    turns = stats(err)
     assert len(turns) == 2
     # the second prompt re-encodes the first exchange, so it is longer than the first
     assert turns[1][0] > turns[0][0]
 
 
-def test_chat_turns_continue_the_kept_conversation(cli_env):
+def test_chat_turns_continue_the_kept_conversation(in_process_env, capsys, monkeypatch):
     """In chat mode each turn's prompt extends the last prompt and reply: the engine reuses those
     positions (thinking mode drops old reasoning, so there it cannot)."""
-    run = dsv41_cmd(cli_env, "chat", "--max-new-tokens", "4", "--temperature", "0",
-                    stdin="hello\nand then?\nthanks\n/exit\n")
-    assert run.returncode == 0, run.stderr
-    turns, reused = stats(run.stderr), cached(run.stderr)
+    status, _, err = run_cli(["chat", "--max-new-tokens", "4", "--temperature", "0"], capsys, monkeypatch,
+                             stdin="hello\nand then?\nthanks\n/exit\n")
+    assert status == 0, err
+    turns, reused = stats(err), cached(err)
     assert len(turns) == 3 and reused[0] == 0
     for i in (1, 2):                                      # all of the previous prompt, and the fed reply
         assert turns[i - 1][0] + turns[i - 1][1] - 1 <= reused[i] < turns[i][0]
 
 
 # ------------------------------------------------------------------------------------ inspect, help, errors
-def test_inspect_on_the_released_config(cli_env):
-    if not hasattr(importlib.import_module("dsv41.inspect"), "main"):
-        pytest.skip("dsv41.inspect has no main() yet (being written elsewhere)")
-    run = dsv41_cmd(cli_env, "inspect", str(SPEC_CONFIG))
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip()
+def test_inspect_on_the_released_config(capsys, monkeypatch):
+    status, out, err = run_cli(["inspect", str(SPEC_CONFIG)], capsys, monkeypatch)
+    assert status == 0, err
+    assert "747,170,852,464" in out
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "score", "inspect"])
@@ -187,10 +256,10 @@ def test_top_level_help(capsys):
     assert all(c in out for c in ("generate", "chat", "score", "inspect"))
 
 
-def test_missing_checkpoint_dir_is_one_clean_line(cli_env, tmp_path):
-    run = dsv41_cmd(cli_env, "generate", "hi", "--checkpoint", str(tmp_path / "nowhere"))
-    assert run.returncode == 2
-    assert run.stderr.strip() == f"dsv41: error: checkpoint directory not found: {tmp_path / 'nowhere'}"
+def test_missing_checkpoint_dir_is_one_clean_line(in_process_env, tmp_path, capsys, monkeypatch):
+    status, _, err = run_cli(["generate", "hi", "--checkpoint", str(tmp_path / "nowhere")], capsys, monkeypatch)
+    assert status == 2
+    assert err.strip() == f"dsv41: error: checkpoint directory not found: {tmp_path / 'nowhere'}"
 
 
 def test_prompt_too_long_is_one_clean_line(in_process_env, capsys):

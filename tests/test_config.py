@@ -1,5 +1,5 @@
 """ModelConfig mirrors the released inference/config.json key for key and rejects malformed configs with a
-message naming the key and the rule (ARCHITECTURE.md §2); RuntimeConfig holds the runtime limits."""
+message naming the key and the rule (docs/ARCHITECTURE.md §2); RuntimeConfig holds the runtime limits."""
 
 import json
 
@@ -158,7 +158,7 @@ def test_expert_dtype_of_the_wrong_type_or_unknown(raw, value, rule):
     ("bf16", "fp4", "fp4"), ("bf16", "fp8", "bf16"), ("bf16", "bf16", "bf16"), ("bf16", None, "bf16"),
 ])
 def test_experts_are_fp4_when_expert_dtype_says_so_else_follow_dtype(dtype, expert_dtype, experts):
-    # the reference's reading of the keys (ARCHITECTURE.md §2): only "fp4" makes experts differ from dtype
+    # the reference's reading of the keys (docs/ARCHITECTURE.md §2): only "fp4" makes experts differ from dtype
     cfg = helpers.nonbinding_config(dtype=dtype, expert_dtype=expert_dtype)
     assert expert_storage(cfg) == experts
     assert dense_storage(cfg) == dtype

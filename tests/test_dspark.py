@@ -1,4 +1,4 @@
-"""DSpark draft stages (ARCHITECTURE.md §15): rings, drafting, the Markov chain, the confidence head.
+"""DSpark draft stages (docs/ARCHITECTURE.md §15): rings, drafting, the Markov chain, the confidence head.
 
 Bit-for-bit agreement with the public reference is measured by tools/reference_parity.py (the reference
 is not shipped); these tests check the contract against direct computations.
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import helpers
+from dsv41.errors import InputError
 from dsv41.checkpoint.model_io import load_model, save_model
 from dsv41.config import RuntimeConfig
 
@@ -84,7 +85,7 @@ def test_markov_bias_and_confidence_follow_the_formula(fast_model):
 
 def test_drafts_need_dspark_stages():
     model = helpers.build(helpers.without_dspark(helpers.nonbinding_config()), "fast")
-    with pytest.raises(RuntimeError, match="no DSpark stages"):
+    with pytest.raises(InputError, match="no DSpark stages"):
         model.dspark_draft(torch.tensor([1]), 0, model.new_cache(1, helpers.MAX_SEQ))
 
 

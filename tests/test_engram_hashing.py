@@ -1,5 +1,5 @@
 """Engram hash: layout, multipliers, public vectors, split invariance and the DEAD latch
-(ENGRAM-HASHING.md §2-§5)."""
+(docs/ENGRAM-HASHING.md §2-§5)."""
 
 import hashlib
 import random

@@ -1,5 +1,5 @@
 """Engram module: the per-stream gate against the seed formula, the module against a slow dense
-float64 version, and the released shapes (ARCHITECTURE.md §9, trap 18)."""
+float64 version, and the released shapes (docs/ARCHITECTURE.md §9, trap 18)."""
 
 import math
 
@@ -22,7 +22,7 @@ def cfg():
 
 
 def seed_gate(x, key, w, dim_root=None):
-    """The seed document's "Gate per stream", one stream at a time with Python floats:
+    """The seed document's "Gate per stream" (docs/PARAMETERS.md §7), one stream at a time with Python floats:
     a = Σ_f X·w·k / (rms(X)·rms(k)·√D), g = σ(sign(a)·√max(|a|, 1e-6)), sign as the IEEE sign bit."""
     D = len(x)
     rms_x = math.sqrt(sum(v * v for v in x) / D + EPS)

@@ -1,5 +1,5 @@
 """Engram table: read-only shared safetensors mapping, sparse row lookup, dequantisation
-(ARCHITECTURE.md §9 step 1, CHECKPOINT.md §2 and §7)."""
+(docs/ARCHITECTURE.md §9 step 1, docs/CHECKPOINT.md §2 and §7)."""
 
 import json
 import struct

@@ -1,4 +1,4 @@
-"""Compressed token map (ENGRAM-HASHING.md §1) on small tokenizers built here, with hand-computed maps."""
+"""Compressed token map (docs/ENGRAM-HASHING.md §1) on small tokenizers built here, with hand-computed maps."""
 
 import os
 

@@ -1,5 +1,5 @@
-"""Tests for dsv41.model.formats against expectations written here: hand tables (ARCHITECTURE.md §6.1,
-CHECKPOINT.md §2), exact math-module formulas and brute-force nearest-value searches (§6.3, §6.4)."""
+"""Tests for dsv41.model.formats against expectations written here: hand tables (docs/ARCHITECTURE.md §6.1,
+docs/CHECKPOINT.md §2), exact math-module formulas and brute-force nearest-value searches (§6.3, §6.4)."""
 
 import math
 import struct

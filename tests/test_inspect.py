@@ -1,7 +1,8 @@
-"""dsv41 inspect: the released figures of PARAMETERS.md, a small model's saved checkpoint, text, JSON, pages."""
+"""dsv41 inspect: the released figures of docs/PARAMETERS.md, a small model's saved checkpoint, text, JSON, pages."""
 
 import json
 import math
+import re
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 from pathlib import Path
@@ -13,7 +14,7 @@ from dsv41.checkpoint import CheckpointDir
 from dsv41.checkpoint.model_io import save_model
 from dsv41.config import RELEASED_CONFIG, ModelConfig, RuntimeConfig
 from dsv41.model.init import init_random_
-from dsv41.inspect import inspect_model, main, render_text, to_dict, write_html
+from dsv41.inspect import docs, inspect_model, main, render_text, to_dict, write_html
 from dsv41.inspect.locations import build_meta_model
 from dsv41.inspect.mathml import MathMLError, to_mathml
 from dsv41.model import Transformer
@@ -21,7 +22,7 @@ from dsv41.inspect.roles import seed_groups
 
 CONFIG = RELEASED_CONFIG
 
-# PARAMETERS.md §5, in the seed documents' order.
+# docs/PARAMETERS.md §5, in the seed documents' order (§7).
 SEED_GROUPS = [
     ("Window layer", 13_754_511_990), ("Engram", 98_462_906_368), ("Window layer", 13_754_511_990),
     ("Pooled group", 165_075_575_432), ("Engram", 98_465_597_952), ("Pooled group", 82_537_787_716),
@@ -44,7 +45,7 @@ def small_config() -> ModelConfig:
 
 
 def base_block_by_formula(c: ModelConfig) -> int:
-    """PARAMETERS.md §2 written out: attention, router (+ bias_vl in a vision build), experts, norms, hc."""
+    """docs/PARAMETERS.md §2 written out: attention, router (+ bias_vl in a vision build), experts, norms, hc."""
     attention = (c.n_heads + c.dim * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * c.n_heads * c.head_dim
                  + c.dim * c.head_dim + c.head_dim
                  + (c.n_heads * c.head_dim // c.o_groups) * c.o_groups * c.o_lora_rank + c.o_groups * c.o_lora_rank * c.dim)
@@ -57,7 +58,7 @@ def base_block_by_formula(c: ModelConfig) -> int:
 
 
 def counted_by_convention(specs) -> int:
-    """PARAMETERS.md §1 applied to stored tensors: ue8m0 scales out, packed fp4 bytes count twice."""
+    """docs/PARAMETERS.md §1 applied to stored tensors: ue8m0 scales out, packed fp4 bytes count twice."""
     total = 0
     for s in specs:
         if s.dtype == "F8_E8M0" and s.name.endswith(".scale"):
@@ -164,7 +165,7 @@ def test_released_scale_elements(report):
 
 def test_tree_is_consistent_with_inventory(report):
     inventory = report.accounting.inventory
-    assert len(inventory) == 96_085  # CHECKPOINT.md §3.5
+    assert len(inventory) == 96_085  # docs/CHECKPOINT.md §3.5
     root = report.tree
     assert root.stored + root.scales == sum(s.numel for s in inventory.values())
     assert root.parameters == counted_by_convention(inventory.values())
@@ -252,13 +253,18 @@ def _read_page(path: Path) -> tuple[list, str]:
 
 def test_html_pages(report, tmp_path):
     written = write_html(report, tmp_path)
-    assert {p.name for p in written} == {"index.html"} | {f"{k}.html" for k in ALL_KINDS}
+    doc_pages = {docs.page_name(n) for n in docs.available()}
+    assert {"doc-architecture.html", "doc-parameters.html"} <= doc_pages
+    assert {p.name for p in written} == {"index.html"} | {f"{k}.html" for k in ALL_KINDS} | doc_pages
+    ids = {p.name: {a["id"] for _, a in _read_page(p)[0] if "id" in a} for p in written}
     for page in written:
         tags, _ = _read_page(page)
         assert not any(t == "script" or "src" in a for t, a in tags)  # nothing to fetch when viewed
         links = [a["href"] for t, a in tags if t == "a"]
-        assert all((tmp_path / href).is_file() for href in links)
-        if page.name != "index.html":
+        for href in links:  # every link, section anchors included, resolves among the written pages
+            target, _, anchor = href.partition("#")
+            assert (tmp_path / target).is_file() and (not anchor or anchor in ids[target]), (page.name, href)
+        if page.name not in doc_pages | {"index.html"}:
             assert any(t == "math" for t, _ in tags) and any(t == "mfrac" or t == "msub" for t, _ in tags)
     _, gate = _read_page(tmp_path / "engram_gate.html")
     assert "40,960" in gate and "20,480" in gate and "dsv41/model/engram/module.py" in gate
@@ -270,6 +276,95 @@ def test_html_pages(report, tmp_path):
     assert "5,243,392" in compressor and "2,621,952" in compressor and "dsv41.model.compressor:Compressor" in compressor
     _, dspark = _read_page(tmp_path / "dspark_stage.html")
     assert "4,693,504,118" in dspark and "dsv41.model.dspark:DSparkStage" in dspark
+    tags, _ = _read_page(tmp_path / "compressor.html")  # the specification is a link to its section
+    assert {"href": "doc-architecture.html#s11.3"} in [a for t, a in tags if t == "a"]
+
+
+class _Tables(HTMLParser):
+    """Every table of a page as rows of cell texts."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables, self._cell = [], None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self.tables[-1].append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th"):
+            self.tables[-1][-1].append("".join(self._cell))
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def _presence_column(index: Path) -> dict[str, str]:
+    """Component title → its "In this configuration" cell on the index page."""
+    parser = _Tables()
+    parser.feed(index.read_text(encoding="utf-8"))
+    table = next(t for t in parser.tables if t[0][:2] == ["Component", "In this configuration"])
+    return {row[0]: row[1] for row in table[1:]}
+
+
+def test_index_says_which_components_the_configuration_has(report, tmp_path):
+    small = small_config()  # no Engram, no DSpark stages, no vision
+    window_only = small.replace(compress_ratios=(0,) * small.n_layers, kv_source_layers=(), index_source_layers=(),
+                                candidate_source_layer=None)  # and no compressed layers
+    absent_small = {"engram", "engram_gate", "dspark_stage", "vision", "aligner"}
+    absent_window = absent_small | {"compressor", "indexer", "candidate"}
+    for name, r, absent in (("released", report, set()), ("small", inspect_model(small), absent_small),
+                            ("window", inspect_model(window_only), absent_window)):
+        write_html(r, tmp_path / name)
+        column = _presence_column(tmp_path / name / "index.html")
+        assert set(column) == {k.title for k in r.components.values()}
+        for key, kind in r.components.items():
+            assert column[kind.title].split(" — ")[0] == ("no" if key in absent else "yes"), (name, key)
+            if key != "candidate":  # the one kind without parameters of its own: not in the tree
+                assert bool(r.instances(key)) == (key not in absent), (name, key)
+        assert (tmp_path / name / "engram.html").is_file() == ("engram" not in absent)
+    released = _presence_column(tmp_path / "released" / "index.html")
+    assert released["Engram"] == "yes — layers 1, 14" and released["DSpark stage"] == "yes — mtp.0–2"
+    assert released["Compressor"] == "yes — layers 2, 8, 14, 20"
+    assert released["Indexer"] == "yes — layers 2, 8, 14, 20, 24, 28, 32, 36"
+    assert released["Candidate stage"] == "yes — source: layer 20"
+    small_column = _presence_column(tmp_path / "small" / "index.html")
+    assert small_column["Compressor"] == "yes — layers 2, 4" and small_column["Engram"] == "no"
+    assert "Not in this configuration: Engram, Gate per stream, DSpark stage" in render_text(inspect_model(small))
+    assert to_dict(inspect_model(window_only))["components"]["indexer"]["in_this_configuration"] == "no"
+
+
+# ------------------------------------------------------------------------------ the documents cited
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_docs_citation_names_a_section_that_exists():
+    """A citation "docs/<name>.md §N" (or "… trap N", "… pitfall N") anywhere in the project resolves."""
+    available = docs.available()
+    anchors = {docs.page_name(n): set(re.findall(r'id="([^"]+)"', docs.render(p.read_text(encoding="utf-8"),
+                                                                              available)))
+               for n, p in available.items()}
+    files = [p for pattern in ("dsv41/**/*.py", "tests/*.py", "*.md", "docs/*.md") for p in _REPO.glob(pattern)]
+    checked = 0
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        for name in re.findall(r"docs/([A-Z][A-Z-]*)\.md", text):
+            assert name in available, f"{path.name} cites docs/{name}.md, which does not exist"
+        for href in re.findall(r'href="([^"]+)"', docs.link_citations(text, available)):
+            page, _, anchor = href.partition("#")
+            assert not anchor or anchor in anchors[page], f"{path.name}: {href}"
+            checked += 1
+    assert checked > 100
+    architecture = anchors["doc-architecture.html"]
+    assert {f"trap-{n}" for n in range(1, 26)} <= architecture  # the numbered traps all keep their numbers
+    assert {"s11.5", "s11.6", "s17", "s9-3"} <= architecture
+    assert {f"s{n}" for n in range(1, 8)} <= anchors["doc-parameters.html"]
 
 
 # ------------------------------------------------------------------------------ components, code, MathML
@@ -302,6 +397,20 @@ def test_every_formula_converts_to_wellformed_mathml(report):
 def inspect_components(cfg):
     from dsv41.inspect.components import describe_components
     return describe_components(cfg)
+
+
+def test_mathml_text_keeps_the_spaces_at_its_edges(report):
+    """Renderers drop whitespace at the edges of <mtext>: "or160000with YaRN". The edges are no-break spaces."""
+    nbsp = "\u00a0"
+    math_ml = ET.fromstring(to_mathml(r"a = 1 \text{ (r = 0) or } 2 \text{ with YaRN}"))
+    texts = [e.text for e in math_ml.iter("{http://www.w3.org/1998/Math/MathML}mtext")]
+    assert texts == [f"{nbsp}(r = 0) or{nbsp}", f"{nbsp}with YaRN"]
+    for kind in report.components.values():
+        for f in kind.formulas:
+            for e in ET.fromstring(to_mathml(f.latex)).iter("{http://www.w3.org/1998/Math/MathML}mtext"):
+                assert e.text and e.text == e.text.strip(" \t\n"), (kind.key, f.label, e.text)
+    rotary = next(f for f in report.components["attention"].formulas if f.label == "rotary frequencies")
+    assert f"or{nbsp}</mtext><mn>160000</mn><mtext>{nbsp}with YaRN" in to_mathml(rotary.latex)
 
 
 def test_mathml_structure():

@@ -1,5 +1,5 @@
 """The whole model: cached paths against the one-shot prefill (STYLE.md P12 rung 2), independence of two
-models in one process, call errors, and the released layout built on the meta device (CHECKPOINT.md §3).
+models in one process, call errors, and the released layout built on the meta device (docs/CHECKPOINT.md §3).
 
 Tiny configs from `helpers`; with 24 positions and a window of 8 every split crosses the ring's
 wrap-around, and splits at odd positions start and end inside ratio-2 groups (the compressor tail).
@@ -8,6 +8,7 @@ wrap-around, and splits at odd positions start and end inside ratio-2 groups (th
 import pytest
 import torch
 
+from dsv41.errors import InputError
 from dsv41.model.cache import CacheError
 from dsv41.config import RuntimeConfig
 from dsv41.model import Transformer
@@ -170,7 +171,7 @@ def test_token_ids_out_of_range(small_model):
         with pytest.raises(ValueError) as err:
             small_model(ids, 0, cache)
         assert "[0, 256)" in str(err.value) and str(bad) in str(err.value)
-    with pytest.raises(TypeError):
+    with pytest.raises(InputError, match="integer tensor"):
         small_model(helpers.token_ids(1, 4).float(), 0, cache)
     assert cache.length == 0
 
@@ -201,7 +202,7 @@ def fp8(name, out, inp):
 
 
 def expected_layer(L):
-    """CHECKPOINT.md §3.2–3.3 for layer L, with dsv41's two deliberate differences: routed experts are
+    """docs/CHECKPOINT.md §3.2–3.3 for layer L, with dsv41's two deliberate differences: routed experts are
     stacked ([E, out, in/2] int8 + [E, out, in/32] e8m0), wo_a is held dequantised in bf16 (§6.2), the
     ratio-2 compressor in fp32 (§3.3)."""
     p = f"layers.{L}."
@@ -268,7 +269,7 @@ def test_released_layout_per_layer(meta_state, layer):
 
 
 def expected_dspark_stage(S):
-    """CHECKPOINT.md §3.4 for stage mtp.S: a window-only block with 128 experts, plus the extras."""
+    """docs/CHECKPOINT.md §3.4 for stage mtp.S: a window-only block with 128 experts, plus the extras."""
     layer = {k.replace("layers.0.", f"mtp.{S}.", 1): v for k, v in expected_layer(0).items()}
     exp = {}
     for name, (dtype, shape) in layer.items():

@@ -1,4 +1,4 @@
-"""Loading and saving whole models in the released layout (CHECKPOINT.md; issue: load as shipped).
+"""Loading and saving whole models in the released layout (docs/CHECKPOINT.md; issue: load as shipped).
 
 Expectations: load(save(model)) is bit-identical; `fast` numerics hold exactly the dequantised stored
 values; every way a directory can be wrong gives one error naming the culprit, before a model exists.

@@ -1,4 +1,4 @@
-"""MoE against slow formulas (ARCHITECTURE.md §13, traps 16–17): the router, SwiGLU clamps, and the whole
+"""MoE against slow formulas (docs/ARCHITECTURE.md §13, traps 16–17): the router, SwiGLU clamps, and the whole
 layer (grouped and gathered expert paths) against a per-expert Python loop written here."""
 
 import math

@@ -1,4 +1,4 @@
-"""Float64 oracles for one attention layer and one whole block, written from ARCHITECTURE.md.
+"""Float64 oracles for one attention layer and one whole block, written from docs/ARCHITECTURE.md.
 
 Each oracle is computed from the layer's weights alone, position by position, with no cache: query
 latent and q_norm, wq_b, RoPE (§10, §11.1), window KV (§11.2), the r = 2 softmax pooling or the r = 1

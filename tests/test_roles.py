@@ -1,6 +1,6 @@
-"""Layer roles of the released config against the table of ARCHITECTURE.md §3, and the seed document's
-eight groups (seeds/001: window layer, Engram, window layer, pooled group, Engram, pooled group, token
-group, re-indexing group) including their parameter counts."""
+"""Layer roles of the released config against the table of docs/ARCHITECTURE.md §3, and the seed document's
+eight groups (docs/PARAMETERS.md §5 and §7: window layer, Engram, window layer, pooled group, Engram,
+pooled group, token group, re-indexing group) including their parameter counts."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Rotary embedding (ARCHITECTURE.md §10) and hyper-connections (§7) against formulas written here."""
+"""Rotary embedding (docs/ARCHITECTURE.md §10) and hyper-connections (§7) against formulas written here."""
 
 import math
 

@@ -1,5 +1,5 @@
 """The prompts the server renders equal DeepSeek's own request library's (`deepseek-recipe`, the
-reference for what a request means: TOKENIZER-AND-CHAT.md §4) for a corpus of OpenAI and Anthropic
+reference for what a request means: docs/TOKENIZER-AND-CHAT.md §4) for a corpus of OpenAI and Anthropic
 requests: tools, tool_choice, response_format, thinking on/off, effort, multi-turn with reasoning and
 tool results. Requests the reference refuses are listed apart with dsv41's answer."""
 

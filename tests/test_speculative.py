@@ -1,6 +1,6 @@
 """Speculative decoding with DSpark on the engine: the acceptance rule is lossless, rollback restores the
 cache row by row, and greedy speculation reproduces greedy decoding token for token, for many rows at
-once (GENERATION-AND-DSPARK.md §3)."""
+once (docs/GENERATION-AND-DSPARK.md §3)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Streaming completion parser (dsv41/server/stream.py): on well-formed completions rendered by
 the encoder, the deltas add up to `parse_completion` for every split; text is released early; and
 on truncated or corrupted markup no special string reaches content or reasoning, completed calls
-carry JSON objects, and the result does not depend on the split (TOKENIZER-AND-CHAT.md §8)."""
+carry JSON objects, and the result does not depend on the split (docs/TOKENIZER-AND-CHAT.md §8)."""
 
 import json
 import random

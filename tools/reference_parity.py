@@ -19,7 +19,7 @@ What is compared:
   bit-identical. Where the reference's `torch.topk` picks another member of an exact tie than dsv41's
   rule (equal scores: lower index first), the reference is run with dsv41's rule and the case reports
   how many choices that changed, apart from any mismatch: torch leaves tie order to the kernel, and the
-  reference's own prefill and decode disagree there (ARCHITECTURE.md §17 trap 14).
+  reference's own prefill and decode disagree there (docs/ARCHITECTURE.md §17 trap 14).
 - both index-key semantics (trap 15): "stale" runs the reference as released against dsv41's
   `stale_index_keys=True`; "own" makes each reference index source read its own keys, dsv41's default.
 - dsv41's default invariant kernels, for information: how far exact-sum matmuls land from the

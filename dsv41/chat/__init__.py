@@ -1,4 +1,4 @@
-"""Chat prompt encoding and completion parsing (TOKENIZER-AND-CHAT.md)."""
+"""Chat prompt encoding and completion parsing (docs/TOKENIZER-AND-CHAT.md)."""
 
 from .encoding import (
     ASSISTANT,

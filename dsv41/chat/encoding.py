@@ -1,6 +1,6 @@
 """DeepSeek-V4.1 prompt encoder: chat messages -> prompt text.
 
-Rules follow TOKENIZER-AND-CHAT.md §3-§5 (the official `encoding/encoding.py` is the authority;
+Rules follow docs/TOKENIZER-AND-CHAT.md §3-§5 (the official `encoding/encoding.py` is the authority;
 §6 fixtures pin it). The engine never sees this module: it only receives token ids (STYLE.md P10).
 """
 
@@ -11,7 +11,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import InputError
+
 Message = dict[str, Any]
+
+
+class ChatFormatError(InputError):
+    """A conversation the V4.1 prompt format cannot express (the message names the message or block)."""
+
 
 # --- special strings (spec §1.1, §3): full-width bar U+FF5C and U+2581, as in tokenizer.json ---
 BOS = "<｜begin▁of▁sentence｜>"
@@ -117,9 +124,9 @@ def resolve_reasoning_effort(effort: int | str | None) -> int:
         return effort
     if isinstance(effort, str) and effort in REASONING_EFFORT_ALIASES:
         return REASONING_EFFORT_ALIASES[effort]
-    raise ValueError(
-        f"reasoning_effort must be an integer in {low}..{high} or one of "
-        f"{sorted(REASONING_EFFORT_ALIASES)}; got {effort!r}"
+    raise ChatFormatError(
+                          f"reasoning_effort must be an integer in {low}..{high} or one of "
+                          f"{sorted(REASONING_EFFORT_ALIASES)}; got {effort!r}"
     )
 
 
@@ -135,13 +142,13 @@ def _image_record(block: dict) -> dict:
     else:
         record.update({key: block[key] for key in ("source", "url", "data") if key in block})
     if not any(record.get(key) for key in ("source", "url", "data")):
-        raise ValueError(f"image content block has no source, url or data: {block!r}")
+        raise ChatFormatError(f"image content block has no source, url or data: {block!r}")
     return record
 
 
 def _prepare_block(block: Any) -> dict:
     if not isinstance(block, dict):
-        raise ValueError(f"content blocks must be objects; got {block!r}")
+        raise ChatFormatError(f"content blocks must be objects; got {block!r}")
     kind = block.get("type")
     if kind in ("image", "image_url"):
         # The record rides on its placeholder so images can be listed in final prompt order.
@@ -149,9 +156,9 @@ def _prepare_block(block: Any) -> dict:
     if kind == "tool_result" and isinstance(block.get("content"), list):
         return {**block, "content": [_prepare_block(inner) for inner in block["content"]]}
     if kind == "text" and IMAGE_PLACEHOLDER in (block.get("text") or ""):
-        raise ValueError(
-            f"text content block contains the image special token '{IMAGE_PLACEHOLDER}'; "
-            "send images as image content blocks"
+        raise ChatFormatError(
+                              f"text content block contains the image special token '{IMAGE_PLACEHOLDER}'; "
+                              "send images as image content blocks"
         )
     return block
 
@@ -159,11 +166,11 @@ def _prepare_block(block: Any) -> dict:
 def _reject_literal_image_token(message: Message) -> None:
     content = message.get("content")
     if isinstance(content, str) and IMAGE_PLACEHOLDER in content:
-        raise ValueError(LITERAL_IMAGE_TOKEN_ERROR)
+        raise ChatFormatError(LITERAL_IMAGE_TOKEN_ERROR)
     reasoning = message.get("reasoning_content")
     if isinstance(reasoning, str) and IMAGE_PLACEHOLDER in reasoning:
-        raise ValueError(
-            f"reasoning_content contains the image special token '{IMAGE_PLACEHOLDER}'"
+        raise ChatFormatError(
+                              f"reasoning_content contains the image special token '{IMAGE_PLACEHOLDER}'"
         )
 
 
@@ -334,7 +341,7 @@ def _render_system(index: int, messages: list[Message], rules: _PromptRules) -> 
 def _render_developer(index: int, messages: list[Message], rules: _PromptRules) -> str:
     message = messages[index]
     if not message.get("content"):
-        raise ValueError(f"developer message at index {index} must have non-empty content")
+        raise ChatFormatError(f"developer message at index {index} must have non-empty content")
     return USER + message["content"] + _extras(message)
 
 
@@ -371,7 +378,7 @@ def _render_latest_reminder(index: int, messages: list[Message], rules: _PromptR
 def _call_arguments(raw: Any, name: str) -> dict:
     arguments = json.loads(raw) if isinstance(raw, str) else raw
     if not isinstance(arguments, dict):
-        raise ValueError(f"arguments of tool call {name!r} must be a JSON object; got {raw!r}")
+        raise ChatFormatError(f"arguments of tool call {name!r} must be a JSON object; got {raw!r}")
     return arguments
 
 
@@ -435,7 +442,7 @@ def _leading_prefix(index: int, message: Message, rules: _PromptRules) -> str:
 
 def _task_cue(task: str, rules: _PromptRules) -> str:
     if task not in TASK_TOKENS:
-        raise ValueError(f"unknown task {task!r}; expected one of {sorted(TASK_TOKENS)}")
+        raise ChatFormatError(f"unknown task {task!r}; expected one of {sorted(TASK_TOKENS)}")
     if task != "action":
         return TASK_TOKENS[task]
     return ASSISTANT + (THINK_START if rules.thinking else THINK_END) + TASK_TOKENS[task]
@@ -458,7 +465,7 @@ def _render_message(index: int, messages: list[Message], rules: _PromptRules) ->
     message = messages[index]
     renderer = _ROLE_RENDERERS.get(message.get("role"))
     if renderer is None:
-        raise ValueError(f"unsupported role {message.get('role')!r} at message {index}")
+        raise ChatFormatError(f"unsupported role {message.get('role')!r} at message {index}")
     return (
         _leading_prefix(index, message, rules)
         + renderer(index, messages, rules)
@@ -507,7 +514,7 @@ def encode_messages(
     return_multi_modal_data: bool = False,
 ) -> str | tuple[str, dict]:
     if thinking_mode not in THINKING_MODES:
-        raise ValueError(f"thinking_mode must be one of {THINKING_MODES}; got {thinking_mode!r}")
+        raise ChatFormatError(f"thinking_mode must be one of {THINKING_MODES}; got {thinking_mode!r}")
     effort = resolve_reasoning_effort(reasoning_effort)  # checked in chat mode too, as the ports do
     context_messages = _preprocess(context or [])
     # Context and new messages are merged separately but ordered together: a result in the new

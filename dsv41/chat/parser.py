@@ -1,4 +1,4 @@
-"""Completion parser: generated text -> assistant message (TOKENIZER-AND-CHAT.md §8).
+"""Completion parser: generated text -> assistant message (docs/TOKENIZER-AND-CHAT.md §8).
 
 On well-formed text the result equals the official parser's, including the `arguments` string.
 Unlike it, truncated output (no EOS, no `</think>`) is accepted, and malformed DSML is either
@@ -21,6 +21,7 @@ from .encoding import (
     THINK_START,
     THINKING_MODES,
 )
+from ..errors import InputError, UserError
 
 # The official parser cuts content at this prefix (no closing ">"), then expects ">\n" (§8.2).
 CALLS_START = f"\n\n<{DSML} calls"
@@ -36,7 +37,7 @@ _PARAMETER = re.compile(
 _FORBIDDEN_IN_TEXT = (BOS, EOS, THINK_START, THINK_END, DSML)
 
 
-class CompletionParseError(ValueError):
+class CompletionParseError(UserError):
     pass
 
 
@@ -167,7 +168,7 @@ def _check_special_strings(reasoning: str, content: str) -> None:
 
 def parse_completion(text: str, thinking_mode: str, strict: bool = False) -> dict[str, Any]:
     if thinking_mode not in THINKING_MODES:
-        raise ValueError(f"thinking_mode must be one of {THINKING_MODES}; got {thinking_mode!r}")
+        raise InputError(f"thinking_mode must be one of {THINKING_MODES}; got {thinking_mode!r}")
     reasoning, rest = _split_reasoning(text, thinking_mode == "thinking", strict)
     content, tool_calls = _split_content(rest, strict)
     if strict:

@@ -1,4 +1,4 @@
-"""The released checkpoint: its inventory, reading, writing and tensor-parallel slicing (CHECKPOINT.md)."""
+"""The released checkpoint: its inventory, reading, writing and tensor-parallel slicing (docs/CHECKPOINT.md)."""
 
 from .inventory import BLOCK, dspark_experts, inventory_bytes, released_inventory, routed_expert_count
 from .progress import byte_progress

@@ -1,10 +1,10 @@
-"""Every tensor of the released checkpoint layout, derived from a ModelConfig (CHECKPOINT.md §3).
+"""Every tensor of the released checkpoint layout, derived from a ModelConfig (docs/CHECKPOINT.md §3).
 
 For the released config this is the index's weight_map exactly: 96,085 tensors, 510,286,023,000 bytes
-(CHECKPOINT.md §3.5, §4). Each family below is one small generator; `released_inventory` strings them
+(docs/CHECKPOINT.md §3.5, §4). Each family below is one small generator; `released_inventory` strings them
 together in module order.
 
-Naming and storage convention (CHECKPOINT.md §2, ARCHITECTURE.md §6.2), stated once here and applied by
+Naming and storage convention (docs/CHECKPOINT.md §2, docs/ARCHITECTURE.md §6.2), stated once here and applied by
 `_linear`: a Linear at module path P stores `P.weight` as [out, in] and, when quantised, `P.scale`
 (F8_E8M0, one power of two per block):
     fp8   P.weight F8_E4M3 [out, in]        P.scale [⌈out/32⌉, ⌈in/32⌉]   32×32 blocks
@@ -22,10 +22,10 @@ from ..config import ModelConfig
 from ..model.roles import LayerRole, derive_roles
 from .spec import TensorSpec
 
-# Weight block size of fp8 Linears, fp4 experts and the Engram table rows (CHECKPOINT.md §2; 32, not
+# Weight block size of fp8 Linears, fp4 experts and the Engram table rows (docs/CHECKPOINT.md §2; 32, not
 # DeepSeek-V3's 128).
 BLOCK = 32
-# hc_*_scale holds one scale each for the pre, post and comb mixes (ARCHITECTURE.md §7).
+# hc_*_scale holds one scale each for the pre, post and comb mixes (docs/ARCHITECTURE.md §7).
 HC_SCALES = 3
 
 FP8, FP4, BF16, F32 = "fp8", "fp4", "bf16", "f32"
@@ -53,13 +53,13 @@ def _norm(path: str, width: int) -> TensorSpec:
 
 
 def _with_bias(path: str, out_features: int, in_features: int) -> Iterator[TensorSpec]:
-    """A bf16 Linear with a bias (ViT and aligner, CHECKPOINT.md §3.1)."""
+    """A bf16 Linear with a bias (ViT and aligner, docs/CHECKPOINT.md §3.1)."""
     yield from _linear(path, out_features, in_features, BF16)
     yield TensorSpec(f"{path}.bias", "BF16", (out_features,))
 
 
 def _dense(cfg: ModelConfig) -> str:
-    """Storage of the ordinary Linears: `dtype` (ARCHITECTURE.md §2)."""
+    """Storage of the ordinary Linears: `dtype` (docs/ARCHITECTURE.md §2)."""
     return FP8 if cfg.dtype == "fp8" else BF16
 
 
@@ -108,7 +108,7 @@ def _attention(cfg: ModelConfig, p: str) -> Iterator[TensorSpec]:
     yield from _linear(f"{p}.wq_b", cfg.n_heads * cfg.head_dim, cfg.q_lora_rank, dense)
     yield from _linear(f"{p}.wkv", cfg.head_dim, cfg.dim, dense)
     yield _norm(f"{p}.kv_norm", cfg.head_dim)
-    # wo_a is stored like any Linear; the loader dequantises it to bf16 (CHECKPOINT.md §5).
+    # wo_a is stored like any Linear; the loader dequantises it to bf16 (docs/CHECKPOINT.md §5).
     yield from _linear(f"{p}.wo_a", cfg.o_groups * cfg.o_lora_rank, cfg.group_width, dense)
     yield from _linear(f"{p}.wo_b", cfg.dim, cfg.o_groups * cfg.o_lora_rank, dense)
     yield TensorSpec(f"{p}.attn_sink", "F32", (cfg.n_heads,))
@@ -134,12 +134,12 @@ def _indexer(cfg: ModelConfig, p: str, owns_keys: bool) -> Iterator[TensorSpec]:
 def _router(cfg: ModelConfig, p: str, n_experts: int) -> Iterator[TensorSpec]:
     yield from _linear(p, n_experts, cfg.dim, BF16)
     yield TensorSpec(f"{p}.bias", "F32", (n_experts,))
-    if cfg.vision_enabled:  # image-span routing bias exists only in vision builds (PARAMETERS.md §1)
+    if cfg.vision_enabled:  # image-span routing bias exists only in vision builds (docs/PARAMETERS.md §1)
         yield TensorSpec(f"{p}.bias_vl", "F32", (n_experts,))
 
 
 def _swiglu(p: str, dim: int, hidden: int, storage: str) -> Iterator[TensorSpec]:
-    """w1 gate and w3 up [hidden, dim], w2 down [dim, hidden] (ARCHITECTURE.md §13)."""
+    """w1 gate and w3 up [hidden, dim], w2 down [dim, hidden] (docs/ARCHITECTURE.md §13)."""
     yield from _linear(f"{p}.w1", hidden, dim, storage)
     yield from _linear(f"{p}.w2", dim, hidden, storage)
     yield from _linear(f"{p}.w3", hidden, dim, storage)
@@ -164,7 +164,7 @@ def _engram(cfg: ModelConfig, p: str, rows: int) -> Iterator[TensorSpec]:
     width = cfg.engram_head_dim
     yield TensorSpec(f"{p}.embed.weight", "F8_E4M3", (rows, width))
     yield TensorSpec(f"{p}.embed.scale", "F8_E8M0", (rows, _ceil(width, BLOCK)))
-    # wkv maps the N looked-up rows to S keys plus one shared value (ARCHITECTURE.md §9).
+    # wkv maps the N looked-up rows to S keys plus one shared value (docs/ARCHITECTURE.md §9).
     yield from _linear(f"{p}.wkv", (cfg.hc_mult + 1) * cfg.dim, cfg.engram_hash_columns * width, _dense(cfg))
     yield TensorSpec(f"{p}.q_weight", "BF16", (cfg.hc_mult, cfg.dim))
     yield TensorSpec(f"{p}.k_weight", "BF16", (cfg.hc_mult, cfg.dim))

@@ -1,4 +1,4 @@
-"""Load a model from a released-layout directory, and save one in the same layout (CHECKPOINT.md).
+"""Load a model from a released-layout directory, and save one in the same layout (docs/CHECKPOINT.md).
 
 Module state names are the checkpoint's names, with one exception: routed experts are stacked, so the
 checkpoint's `…ffn.experts.{e}.w1.weight` is row e of the module's `…ffn.experts.w1.weight`. Every tensor
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import replace
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,21 +27,23 @@ from ..model import formats
 from ..config import ModelConfig, RuntimeConfig
 from .inventory import released_inventory
 from .progress import byte_progress
-from .safetensors_io import CheckpointDir, CheckpointError
+from ..errors import CheckpointError
+from .plan import check_context, check_fits, plan_load
+from .safetensors_io import CheckpointDir
 from .spec import TensorSpec, torch_dtype
 from .writer import DEFAULT_MAX_SHARD_BYTES, save_checkpoint
 
 _STACKED = re.compile(r"^(?P<prefix>.+\.ffn\.experts)\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.ffn\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
 
-# Families of the release a text model does not hold (loaded when those parts exist; CHECKPOINT.md §3).
+# Families of the release a text model does not hold (loaded when those parts exist; docs/CHECKPOINT.md §3).
 VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 DSPARK_PREFIX = "mtp."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 # -------------------------------------------------------------------------------------- conversions
-# Stored weights that mean nothing without their `.scale` (CHECKPOINT.md §2): fp8 e4m3, packed fp4.
+# Stored weights that mean nothing without their `.scale` (docs/CHECKPOINT.md §2): fp8 e4m3, packed fp4.
 QUANTIZED_STORED = ("F8_E4M3", "I8")
 _QUANTIZED_HELD = (torch.float8_e4m3fn, torch.int8)
 
@@ -54,10 +57,10 @@ def to_module_format(weight: torch.Tensor, scale: torch.Tensor | None, target: t
     if target.dtype == weight.dtype:
         return weight
     if target.dtype in _QUANTIZED_HELD:
-        raise ValueError(f"a {weight.dtype} weight cannot become a quantised {target.dtype} one")
+        raise CheckpointError(f"a {weight.dtype} weight cannot become a quantised {target.dtype} one")
     if scale is None:
         if weight.dtype in _QUANTIZED_HELD:
-            raise ValueError(f"a {weight.dtype} weight needs its scale to be dequantised")
+            raise CheckpointError(f"a {weight.dtype} weight needs its scale to be dequantised")
         return weight.to(target.dtype)
     if weight.dtype == torch.int8:
         return formats.dequantize_fp4_weight(weight, scale).to(target.dtype)
@@ -235,7 +238,7 @@ def _load_one(model, tensors, name, sources, scales, ckpt, device, engram_on_dis
 
 def rank_tensors(ckpt: CheckpointDir, cfg: ModelConfig, rank: int, world_size: int
                  ) -> Iterator[tuple[str, torch.Tensor, int]]:
-    """(name, this rank's part, zero rows to pad) for tensor parallelism (CHECKPOINT.md §5).
+    """(name, this rank's part, zero rows to pad) for tensor parallelism (docs/CHECKPOINT.md §5).
 
     Applies the sharding table while reading, so each rank reads only its slice: split tensors are cut on
     their dim, routed experts another rank owns are skipped, Engram tables give ⌈rows/ws⌉ rows (the last
@@ -260,13 +263,17 @@ def rank_tensors(ckpt: CheckpointDir, cfg: ModelConfig, rank: int, world_size: i
 
 
 def load_model(path: str | Path, runtime: RuntimeConfig | None = None, *, device: str | None = None,
-               engram_on_disk: bool = False, progress: bool | None = None):
+               engram_on_disk: bool = False, progress: bool | None = None, check_memory: bool = True,
+               on_plan=None):
     """Build a Transformer from a released-layout directory (config.json, index + shards, tokenizer.json).
 
-    The checkpoint is validated against the layout the config implies before anything is read; the
-    model is built on the meta device and each tensor is materialised once, from the memory map, in
-    its final format. `engram_on_disk` keeps the Engram tables memory-mapped (only looked-up rows are
-    ever read). The device is `device`, else `runtime.device`.
+    Everything that can be checked is checked before a tensor byte is read, in this order: the config,
+    the shard headers against the layout the config implies, the context against the rope settings,
+    the tokenizer against the vocabulary and the Engram key count, and the load plan against the memory
+    available (`check_memory=False` skips the last; `on_plan(plan)` sees the plan first). The model is
+    built on the meta device and each tensor is materialised once, from the memory map, in its final
+    format. `engram_on_disk` keeps the Engram tables memory-mapped (only looked-up rows are ever read).
+    The device is `device`, else `runtime.device`.
     """
     from ..model import Transformer
 
@@ -276,13 +283,36 @@ def load_model(path: str | Path, runtime: RuntimeConfig | None = None, *, device
     device = device or runtime.device
     ckpt = CheckpointDir(path)
     ckpt.validate_against(released_inventory(cfg))
+    check_context(cfg, runtime.max_seq_len)
+    check_tokenizer(path, cfg)
     token_map = _token_map(path, cfg)
     model = Transformer(cfg, runtime, device="meta")
+    plan = plan_load(cfg, replace(runtime, device=str(device)), engram_on_disk=engram_on_disk, model=model)
+    if on_plan is not None:
+        on_plan(plan)
+    if check_memory:
+        check_fits(cfg, replace(runtime, device=str(device)), plan)
     load_into(model, ckpt, device=device, engram_on_disk=engram_on_disk, progress=progress)
     model.to(device)                                  # the rotary frequencies; pinned Engram tables stay
     if token_map is not None:
         model.set_token_map(token_map.to(device))
     return model.eval()
+
+
+def check_tokenizer(path: Path, cfg: ModelConfig) -> int | None:
+    """The tokenizer's size when the directory has one; refused when it has ids the embedding lacks."""
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+    try:
+        size = Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:                       # the Rust side raises plain Exceptions
+        raise CheckpointError(f"{file}: not a readable tokenizers file ({e})") from None
+    if size > cfg.vocab_size:
+        raise CheckpointError(f"{path / 'tokenizer.json'} has {size:,} tokens; the config's vocab_size is "
+                              f"{cfg.vocab_size:,}, so ids {cfg.vocab_size:,} … {size - 1:,} have no embedding row")
+    return size
 
 
 def _token_map(path: Path, cfg: ModelConfig):

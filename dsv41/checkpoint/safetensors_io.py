@@ -3,11 +3,11 @@
 A safetensors file is an 8-byte little-endian header length N, N bytes of JSON (name -> dtype, shape,
 data_offsets relative to the end of the header, plus an optional "__metadata__"), then the data. We
 parse headers ourselves so that opening a directory checks every shard (presence, truncation, index
-consistency) without reading a single tensor byte (CHECKPOINT.md §7).
+consistency) without reading a single tensor byte (docs/CHECKPOINT.md §7).
 
 Tensors come from one read-only shared mapping per file (mmap PROT_READ, MAP_SHARED). Private
 copy-on-write maps, which `safetensors.safe_open` uses, are refused for files larger than RAM + swap, and
-the two Engram shards are ~94.6 GiB each (CHECKPOINT.md §7). `torch.UntypedStorage.from_file(shared=True)`
+the two Engram shards are ~94.6 GiB each (docs/CHECKPOINT.md §7). `torch.UntypedStorage.from_file(shared=True)`
 is not used either: it opens the file read-write, so it fails on read-only files and would let a stray
 in-place op modify the checkpoint. Consequence: tensors returned as views are read-only; clone before
 writing into them.
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointError
 from .spec import DTYPES, TensorSpec, itemsize, torch_dtype
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -35,8 +36,6 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library refuses larger h
 SHOW_FIRST = 5  # how many names an error message lists per category
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be used as is; the message names the file or tensor."""
 
 
 def _first_few(items: list[str], n: int = SHOW_FIRST) -> str:

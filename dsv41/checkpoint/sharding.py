@@ -1,4 +1,4 @@
-"""Tensor-parallel slicing of the released checkpoint: which part of each tensor a rank loads (CHECKPOINT.md §5).
+"""Tensor-parallel slicing of the released checkpoint: which part of each tensor a rank loads (docs/CHECKPOINT.md §5).
 
 The TP degree is a load-time choice [dsv41]: every rank reads the original files and keeps its slice.
 Four kinds of tensor:
@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..config import ModelConfig
+from ..errors import UserError
 from .inventory import BLOCK, released_inventory, routed_expert_count
 from .spec import TensorSpec
 
 SPLIT, REPLICATE, EXPERT, ENGRAM_ROWS = "split", "replicate", "expert", "engram_rows"
 
 
-class ShardingError(ValueError):
+class ShardingError(UserError):
     """A world size the checkpoint cannot be cut into; the message names the tensor and dim."""
 
 
@@ -34,7 +35,7 @@ class ShardRule:
     """Config field counting the things laid along `dim` (heads, groups, rows); they must not be cut."""
 
 
-# The split table (CHECKPOINT.md §5). Keyed by the module path's tail, i.e. the name without its
+# The split table (docs/CHECKPOINT.md §5). Keyed by the module path's tail, i.e. the name without its
 # .weight / .scale suffix; the longest matching tail wins, so `indexer.wq_b` is not `attn.wq_b`.
 #   tail                     dim  what is split (config count)
 SPLIT_TABLE: dict[str, tuple[int, str]] = {
@@ -106,7 +107,7 @@ def _check_world_size(world_size: int, rank: int) -> None:
 def _even_part(name: str, what: str, size: int, rank: int, world_size: int) -> tuple[int, int]:
     if size % world_size:
         raise ShardingError(f"cannot split {name} {what} ({size}) over world size {world_size}: "
-                            f"{size} is not divisible by {world_size} (CHECKPOINT.md §5)")
+                            f"{size} is not divisible by {world_size} (docs/CHECKPOINT.md §5)")
     part = size // world_size
     return rank * part, (rank + 1) * part
 
@@ -175,7 +176,7 @@ def _check_split(spec: TensorSpec, rule: ShardRule, blocked: bool, cfg: ModelCon
     units = getattr(cfg, rule.unit)
     if units % world_size:
         raise ShardingError(f"cannot split {spec.name} dim {rule.dim} over world size {world_size}: it holds "
-                            f"{rule.unit} = {units} units, which do not divide by {world_size} (CHECKPOINT.md §5)")
+                            f"{rule.unit} = {units} units, which do not divide by {world_size} (docs/CHECKPOINT.md §5)")
     part = spec.shape[rule.dim] // world_size
     if blocked and world_size > 1 and part % BLOCK:
         # 32×32 block scales are cut with their weight, so each rank's part must be whole blocks.

@@ -1,6 +1,6 @@
 """What one stored tensor is (name, safetensors dtype, shape), and the safetensors dtype table.
 
-The dtype strings are the ones safetensors headers use (CHECKPOINT.md §2). `I8` in this checkpoint holds
+The dtype strings are the ones safetensors headers use (docs/CHECKPOINT.md §2). `I8` in this checkpoint holds
 packed fp4 e2m1 (two values per byte); it is read back as int8 and unpacked by `dsv41.model.formats`.
 """
 
@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from ..errors import CheckpointError
 
 # safetensors dtype string -> (torch dtype, bytes per element).
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -42,7 +44,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return TORCH_TO_DTYPE[dtype]
     except KeyError:
-        raise ValueError(f"{dtype} has no safetensors dtype (supported: {', '.join(DTYPES)})") from None
+        raise CheckpointError(f"{dtype} has no safetensors dtype (supported: {', '.join(DTYPES)})") from None
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"{self.name}: unknown safetensors dtype {self.dtype!r}")
+            raise CheckpointError(f"{self.name}: unknown safetensors dtype {self.dtype!r}")
 
     @property
     def numel(self) -> int:

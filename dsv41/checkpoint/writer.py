@@ -1,6 +1,6 @@
 """Writing a checkpoint in the released layout: size-limited shards plus model.safetensors.index.json.
 
-Shard files are named like the release (`model-00001-of-00048.safetensors`, CHECKPOINT.md §1). The
+Shard files are named like the release (`model-00001-of-00048.safetensors`, docs/CHECKPOINT.md §1). The
 safetensors format is written here directly (8-byte length, JSON header padded to 8 bytes, data), so
 every dtype the release uses round-trips bit for bit, F8_E8M0 included, whatever the installed
 safetensors library supports, and tensors are streamed to disk one at a time.
@@ -24,6 +24,7 @@ import torch
 from .progress import byte_progress
 from .safetensors_io import INDEX_NAME
 from .spec import dtype_name, itemsize
+from ..errors import InputError
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hugging Face default shard size ("5GB")
 HEADER_ALIGN = 8  # header padded with spaces so tensor data starts 8-byte aligned (safetensors convention)
@@ -67,11 +68,11 @@ def _items(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tens
     seen: set[str] = set()
     for name, t in (tensors.items() if isinstance(tensors, Mapping) else tensors):
         if not isinstance(name, str) or name == "__metadata__":
-            raise ValueError(f"invalid tensor name {name!r}")
+            raise InputError(f"invalid tensor name {name!r}")
         if name in seen:
-            raise ValueError(f"tensor {name} given twice")
+            raise InputError(f"tensor {name} given twice")
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} is a {type(t).__name__}, not a tensor")
+            raise InputError(f"{name} is a {type(t).__name__}, not a tensor")
         dtype_name(t.dtype)  # unsupported dtypes fail before anything is written
         seen.add(name)
         yield name, t
@@ -95,7 +96,7 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     metadata = dict(metadata or {})
     for k, v in metadata.items():
         if not isinstance(k, str) or not isinstance(v, str):
-            raise ValueError(f"safetensors metadata must map str to str, got {k!r}: {v!r}")
+            raise InputError(f"safetensors metadata must map str to str, got {k!r}: {v!r}")
     return metadata
 
 
@@ -141,7 +142,7 @@ def save_checkpoint(directory: str | Path,
     `metadata` (str -> str) goes into every shard header and next to `total_size` in the index.
     """
     if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        raise InputError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     metadata = _check_metadata(metadata)

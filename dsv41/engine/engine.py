@@ -26,6 +26,7 @@ from .sampling import SamplingParams, probabilities, sample
 from .scheduler import Work, plan
 from .sequence import Sequence
 from .speculative import accept_drafts
+from ..errors import InputError
 
 DEFAULT_TOKEN_BUDGET = 512
 DEFAULT_PREFILL_CHUNK = 512
@@ -50,9 +51,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("n_slots", "token_budget", "prefill_chunk"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise InputError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_context is not None and self.max_context < 1:
-            raise ValueError(f"max_context must be positive, got {self.max_context}")
+            raise InputError(f"max_context must be positive, got {self.max_context}")
 
 
 @dataclass
@@ -88,13 +89,14 @@ class Engine:
         check_prompts([list(request.prompt)], self.context, self.model.cfg.vocab_size)
         speculative = self.config.speculative if request.speculative is None else request.speculative
         if speculative and not self.observes:
-            raise ValueError("speculative decoding needs DSpark stages and an engine built with speculative=True")
+            raise InputError("speculative decoding needs DSpark stages and an engine built with speculative=True")
         if speculative and request.sampling.repetition_penalty != 1.0:
-            raise ValueError("speculative decoding does not support a repetition penalty")
+            raise InputError("speculative decoding does not support a repetition penalty")
         rid, self._next_id = self._next_id, self._next_id + 1
         seed = request.seed if request.seed is not None else self.config.seed + rid
         generator = torch.Generator(device=self.model.device).manual_seed(seed)
-        decoder = self.tokenizer.stream() if self.tokenizer is not None else None
+        decoder = (self.tokenizer.stream(skip_special_tokens=request.skip_special_tokens)
+                   if self.tokenizer is not None else None)
         seq = Sequence(rid, request, generator, self._end_ids(request), self.context, decoder, speculative)
         self.waiting.append(seq)
         return rid
@@ -359,21 +361,23 @@ class GenerationConfig:
     """Keep generating past EOS (benchmarks that need a fixed token count)."""
     speculative: bool = False
     token_budget: int = DEFAULT_TOKEN_BUDGET
+    skip_special_tokens: bool = False
+    """Leave special tokens out of the text of every request (Request.skip_special_tokens)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+            raise InputError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
+            raise InputError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
         if self.max_context is not None and self.max_context < 1:
-            raise ValueError(f"max_context must be positive, got {self.max_context}")
+            raise InputError(f"max_context must be positive, got {self.max_context}")
         if any(not s for s in self.stop_strings):
-            raise ValueError("stop strings must not be empty")
+            raise InputError("stop strings must not be empty")
 
     def request(self, prompt: list[int]) -> Request:
         return Request(prompt=tuple(prompt), max_new_tokens=self.max_new_tokens, sampling=self.sampling,
                        stop_token_ids=self.stop_token_ids, stop_strings=self.stop_strings, seed=self.seed,
-                       ignore_eos=self.ignore_eos)
+                       ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
 
     def engine(self, n_slots: int) -> EngineConfig:
         return EngineConfig(n_slots=n_slots, max_context=self.max_context, token_budget=self.token_budget,

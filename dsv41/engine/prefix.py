@@ -2,7 +2,7 @@
 
 A slot's state can only be continued from its exact end: the window ring holds the last W positions
 and a ratio-2 source's pooling tail the open group, so a sequence cannot be cut back to an earlier
-length (ARCHITECTURE.md §11.2–§11.3). A new prompt reuses a kept sequence when it starts with all of
+length (docs/ARCHITECTURE.md §11.2–§11.3). A new prompt reuses a kept sequence when it starts with all of
 its tokens and is longer (the multi-turn chat case: previous prompt + completion + the new turn);
 any other prompt — one that shares only part of a kept sequence, or equals it — gets a cold prefill.
 """

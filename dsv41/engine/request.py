@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from .sampling import SamplingParams
+from ..errors import InputError
 
 FINISH_REASONS = ("eos", "stop", "length", "context", "cancelled")
 
@@ -55,25 +56,27 @@ class Request:
     """Masks each step's logits before sampling (and each draft and verified position when speculating)."""
     logprobs: int | None = None
     """Report each sampled token's log-probability and this many alternatives (None: off)."""
+    skip_special_tokens: bool = False
+    """Leave special tokens out of the text (the ids keep them); stop strings then see the shown text."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
         if not self.prompt:
-            raise ValueError("the prompt is empty (it needs at least one token, e.g. BOS)")
+            raise InputError("the prompt is empty (it needs at least one token, e.g. BOS)")
         if self.max_new_tokens < 0 or (self.max_new_tokens == 0 and not self.prompt_logits):
-            raise ValueError(f"max_new_tokens must be at least 1 (0 only to score the prompt), got "
+            raise InputError(f"max_new_tokens must be at least 1 (0 only to score the prompt), got "
                              f"{self.max_new_tokens}")
         for name in ("prefill_chunk", "first_chunk"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
+                raise InputError(f"{name} must be at least 1, got {value}")
         if any(not s for s in self.stop_strings):
-            raise ValueError("stop strings must not be empty")
+            raise InputError("stop strings must not be empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in 0 … 20, got {self.logprobs}")
+            raise InputError(f"logprobs must be in 0 … 20, got {self.logprobs}")
         if self.speculative and self.sampling.repetition_penalty != 1.0:
             # each verified row would need its own history (prompt + the drafts before it)
-            raise ValueError("speculative decoding does not support a repetition penalty")
+            raise InputError("speculative decoding does not support a repetition penalty")
 
 
 @dataclass
@@ -175,12 +178,12 @@ class StopStringFilter:
 def check_prompts(prompts: list[list[int]], context: int, vocab: int, what: str = "prompt") -> None:
     """Every prompt non-empty, in the vocabulary and within the context — checked before any model call."""
     if not prompts:
-        raise ValueError(f"no {what}s given")
+        raise InputError(f"no {what}s given")
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
-            raise ValueError(f"{what} {i} is empty (it needs at least one token, e.g. BOS)")
+            raise InputError(f"{what} {i} is empty (it needs at least one token, e.g. BOS)")
         if len(prompt) > context:
-            raise ValueError(f"{what} {i} has {len(prompt)} tokens, more than the context of {context} tokens")
+            raise InputError(f"{what} {i} has {len(prompt)} tokens, more than the context of {context} tokens")
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"{what} {i} holds token id {bad[0]}, outside the vocabulary [0, {vocab})")
+            raise InputError(f"{what} {i} holds token id {bad[0]}, outside the vocabulary [0, {vocab})")

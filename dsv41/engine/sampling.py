@@ -4,7 +4,7 @@ Shape legend: B batch rows, V vocabulary, L previous-token positions.
 
 Order of transforms: repetition penalty -> temperature -> top-k -> top-p -> min-p -> draw.
 `probabilities` returns the final distribution so the speculative decoder can use the same
-p_t / p_d (GENERATION-AND-DSPARK.md §3); `sample` draws from it. Nothing here touches the global
+p_t / p_d (docs/GENERATION-AND-DSPARK.md §3); `sample` draws from it. Nothing here touches the global
 RNG.
 """
 
@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Below this temperature a distribution is one-hot at the argmax (GENERATION-AND-DSPARK.md §3,
+from ..errors import InputError
+
+# Below this temperature a distribution is one-hot at the argmax (docs/GENERATION-AND-DSPARK.md §3,
 # step 1: "one-hot argmax when T_s < 1e-5"); temperature 0 is therefore greedy decoding.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -24,7 +26,7 @@ PreviousTokens = list[list[int]] | torch.Tensor | None
 
 def _require(ok: bool, field: str, rule: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{field} must be {rule}; got {value!r}")
+        raise InputError(f"SamplingParams.{field} must be {rule}; got {value!r}")
 
 
 def _is_real(value: object) -> bool:
@@ -59,7 +61,7 @@ def seen_token_mask(previous_tokens: PreviousTokens, batch: int, vocab: int,
     """[B, V] bool: token v occurs in row b's history. Tensor rows may be padded with ids < 0."""
     ids_BL = _history_tensor(previous_tokens, batch, device)
     if ids_BL.numel() and int(ids_BL.max()) >= vocab:
-        raise ValueError(f"previous_tokens holds id {int(ids_BL.max())} >= vocab size {vocab}")
+        raise InputError(f"previous_tokens holds id {int(ids_BL.max())} >= vocab size {vocab}")
     ids_BL = ids_BL.masked_fill(ids_BL < 0, vocab)  # padding lands in a spare column
     seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
     seen.scatter_(1, ids_BL, True)
@@ -73,12 +75,12 @@ def _history_tensor(previous_tokens: PreviousTokens, batch: int,
     else:
         rows = list(previous_tokens)
         if len(rows) != batch:
-            raise ValueError(f"previous_tokens has {len(rows)} rows for a batch of {batch}")
+            raise InputError(f"previous_tokens has {len(rows)} rows for a batch of {batch}")
         width = max((len(r) for r in rows), default=0)
         ids_BL = torch.tensor([list(r) + [-1] * (width - len(r)) for r in rows],
                               dtype=torch.long, device=device).reshape(batch, width)
     if ids_BL.dim() != 2 or ids_BL.shape[0] != batch:
-        raise ValueError(f"previous_tokens must be [B={batch}, L]; got {tuple(ids_BL.shape)}")
+        raise InputError(f"previous_tokens must be [B={batch}, L]; got {tuple(ids_BL.shape)}")
     return ids_BL
 
 
@@ -136,7 +138,7 @@ def _one_hot_argmax(logits_BV: torch.Tensor) -> torch.Tensor:
 
 def _as_logits(logits: torch.Tensor) -> torch.Tensor:
     if logits.dim() != 2:
-        raise ValueError(f"logits must be [B, V]; got shape {tuple(logits.shape)}")
+        raise InputError(f"logits must be [B, V]; got shape {tuple(logits.shape)}")
     return logits.float()
 
 
@@ -159,5 +161,5 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return probs_BV.argmax(dim=-1)
     if generator is None:
-        raise ValueError("sampling with temperature > 0 needs an explicit torch.Generator")
+        raise InputError("sampling with temperature > 0 needs an explicit torch.Generator")
     return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .engine import Engine, EngineConfig
 from .request import Request, check_prompts
+from ..errors import InputError
 
 
 @dataclass
@@ -52,7 +53,7 @@ def score(model, sequences: list[list[int]], prefill: int | None = None, *,
     check_prompts(sequences, context, model.cfg.vocab_size, what="sequence")
     width = max(len(s) for s in sequences)
     if prefill is not None and not 1 <= prefill <= width:
-        raise ValueError(f"prefill must be in 1 … {width} (the longest sequence), got {prefill}")
+        raise InputError(f"prefill must be in 1 … {width} (the longest sequence), got {prefill}")
     engine = Engine(model, None, EngineConfig(n_slots=len(sequences), max_context=context, prefix_cache=0,
                                               token_budget=max(sum(map(len, sequences)), 1), prefill_chunk=width))
     for seq in sequences:

@@ -1,4 +1,4 @@
-"""The lossless acceptance rule of speculative decoding with the DSpark drafts (GENERATION-AND-DSPARK.md §3).
+"""The lossless acceptance rule of speculative decoding with the DSpark drafts (docs/GENERATION-AND-DSPARK.md §3).
 
 Shapes: k drafts per cycle (dspark_block_size), V vocab.
 

@@ -51,12 +51,32 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_weights(path: Path) -> str | None:
+    """For a directory that holds weights: None if they match the config's layout, else why not.
+
+    Only headers are read. A directory with a config and no weights is a config, not a broken checkpoint."""
+    from ..checkpoint.inventory import released_inventory
+    from ..checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, CheckpointDir
+    from ..errors import UserError
+    if not path.is_dir() or not ((path / INDEX_NAME).is_file() or (path / SINGLE_NAME).is_file()):
+        return None
+    try:
+        CheckpointDir(path).validate_against(released_inventory(ModelConfig.from_json(path / "config.json")))
+    except UserError as e:
+        return str(e)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         report = inspect_model(args.config)
     except ConfigError as e:
         print(f"dsv41 inspect: {e}", file=sys.stderr)
+        return 2
+    broken = check_weights(Path(args.config))
+    if broken is not None:
+        print(f"dsv41 inspect: {args.config} is not a usable checkpoint: {broken}", file=sys.stderr)
         return 2
     if args.html:
         pages = write_html(report, args.html)

@@ -1,10 +1,10 @@
-"""Parameter figures of a config under the convention of PARAMETERS.md, and the alternatives it names.
+"""Parameter figures of a config under the convention of docs/PARAMETERS.md, and the alternatives it names.
 
 Everything is computed from the checkpoint inventory (`released_inventory`), so the parts the model does
 not build (DSpark stages, vision, aligner) are covered too. The headline figure is the seed documents'
-"per-instance total": the backbone blocks including their Engram modules, fp4 experts at logical size,
-scales not counted (PARAMETERS.md §1). Every other figure carries its own label; none is a silent
-variant of the headline.
+(docs/PARAMETERS.md §7) "per-instance total": the backbone blocks including their Engram modules, fp4
+experts at logical size, scales not counted (docs/PARAMETERS.md §1). Every other figure carries its own
+label; none is a silent variant of the headline.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from ..model.roles import LayerRole, derive_roles
 from .roles import seed_groups
 from .tree import Node, Part, build_tree, counted_parameters
 
-# The loader dequantises wo_a to bf16 (ARCHITECTURE.md §6.2), so the model as built holds no scale for
-# it although the checkpoint stores one; PARAMETERS.md's scale figures count the model as built.
+# The loader dequantises wo_a to bf16 (docs/ARCHITECTURE.md §6.2), so the model as built holds no scale for
+# it although the checkpoint stores one; docs/PARAMETERS.md's scale figures count the model as built.
 DEQUANTISED_AT_LOAD = ("attn.wo_a",)
 ADD_ON_KEYS = ("compressor", "indexer")
 DSPARK_EXTRA_KEYS = ("main input", "draft head")
@@ -62,7 +62,7 @@ class Figure:
 
 @dataclass(frozen=True)
 class GroupRow:
-    """One row of the seed documents' group table (PARAMETERS.md §5)."""
+    """One row of the seed documents' group table (docs/PARAMETERS.md §5)."""
 
     name: str
     layers: tuple[int, ...]
@@ -80,13 +80,13 @@ class LayerRow:
     layer: int
     role: str
     parameters: int
-    """The block alone, Engram excluded (PARAMETERS.md §3)."""
+    """The block alone, Engram excluded (docs/PARAMETERS.md §3)."""
     engram: int
 
 
 @dataclass(frozen=True)
 class AddOn:
-    """A role-dependent part on top of the base block W (PARAMETERS.md §3)."""
+    """A role-dependent part on top of the base block W (docs/PARAMETERS.md §3)."""
 
     label: str
     layers: tuple[int, ...]
@@ -176,7 +176,7 @@ class Accounting:
         return rows
 
     def _units(self, layers: tuple[int, ...]) -> list[list[int]]:
-        """A group splits into repeating units, each starting at an index source (PARAMETERS.md §5)."""
+        """A group splits into repeating units, each starting at an index source (docs/PARAMETERS.md §5)."""
         units: list[list[int]] = []
         for layer in layers:
             if not units or self.roles[layer].is_index_source:
@@ -219,7 +219,7 @@ class Accounting:
     def _block_figures(self) -> list[Figure]:
         n = self.cfg.n_layers
         out = [Figure("blocks", f"{n} backbone blocks incl. Engram — the seed documents' per-instance total",
-                      self.layers.parameters, "PARAMETERS.md §1: fp4 experts logical, scales not counted")]
+                      self.layers.parameters, "docs/PARAMETERS.md §1: fp4 experts logical, scales not counted")]
         if self.base_block is not None:
             out.append(Figure("base_block", "W: one block without compressor, indexer or Engram", self.base_block))
         gates = self.engram_gates()

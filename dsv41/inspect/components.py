@@ -1,9 +1,9 @@
 """What each kind of component is: a paragraph, its formulas (LaTeX), its shapes and its layer roles.
 
 Every number comes from the config, so a small config gets pages about itself. Formulas follow
-ARCHITECTURE.md (the section is named on each kind); shapes name their dims the way the seed documents
-do, "[B batch, T positions, 4 streams, 5120 d]". `code` lists where the kind lives in dsv41 as
-"module:qualname" references (locations.py turns them into files and line ranges).
+docs/ARCHITECTURE.md (the section is named on each kind); shapes name their dims the way the seed
+documents do (docs/PARAMETERS.md §7), "[B batch, T positions, 4 streams, 5120 d]". `code` lists where the
+kind lives in dsv41 as "module:qualname" references (locations.py turns them into files and line ranges).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _model(x: _Context) -> ComponentKind:
         (Port("in", "ids", (x.B, x.T)), Port("out", "logits", (x.B, x.V)),
          Port("out", "DSpark hidden", (x.B, x.T, f"{len(c.dspark_target_layer_ids) * c.dim} "
                                                  f"({len(c.dspark_target_layer_ids)} targets × {c.dim} d)"))),
-        tuple(parts), ("dsv41.model.transformer:Transformer",), "ARCHITECTURE.md §4")
+        tuple(parts), ("dsv41.model.transformer:Transformer",), "docs/ARCHITECTURE.md §4")
 
 
 def _stack(x: _Context) -> ComponentKind:
@@ -152,7 +152,7 @@ def _stack(x: _Context) -> ComponentKind:
         (x.stream("X"), Port("in", "pre", (x.B, x.T, x.S)), Port("in", "hash ids", (x.B, x.T, hashes)),
          x.stream("X", "out"), Port("out", "pre", (x.B, x.T, x.S))),
         rows, ("dsv41.model.transformer:Transformer.forward", "dsv41.model.roles:derive_roles", "dsv41.inspect.roles:seed_groups"),
-        "ARCHITECTURE.md §3–§5, PARAMETERS.md §5")
+        "docs/ARCHITECTURE.md §3–§5, docs/PARAMETERS.md §5")
 
 
 def _block(x: _Context) -> ComponentKind:
@@ -169,7 +169,7 @@ def _block(x: _Context) -> ComponentKind:
          Formula("FFN write", r"X''_j = \mathrm{post}^{f}_j \operatorname{MoE}(f) + \sum_i c^{f}_{ij} X'_i")),
         (x.stream("X"), Port("in", "pre_in", (x.B, x.T, x.S)), x.stream("X''", "out"),
          Port("out", "pre_f", (x.B, x.T, x.S))),
-        x.ratio_lines(), ("dsv41.model.block:Block",), "ARCHITECTURE.md §5")
+        x.ratio_lines(), ("dsv41.model.block:Block",), "docs/ARCHITECTURE.md §5")
 
 
 def _attention(x: _Context) -> ComponentKind:
@@ -194,7 +194,8 @@ def _attention(x: _Context) -> ComponentKind:
         (Port("in", "x", (x.B, x.T, x.D)), Port("out", "o", (x.B, x.T, x.D)),
          Port("inside", "q", (x.B, x.T, x.H, x.Dh)), Port("inside", "kv", (x.B, x.T, x.latent)),
          Port("inside", "grouped output", (x.B, x.T, f"{c.o_groups} groups", f"{c.o_lora_rank} rank"))),
-        x.ratio_lines(), ("dsv41.model.attention:Attention", "dsv41.model.rope:Rotary"), "ARCHITECTURE.md §10, §11")
+        x.ratio_lines(), ("dsv41.model.attention:Attention", "dsv41.model.rope:Rotary"),
+        "docs/ARCHITECTURE.md §10, §11")
 
 
 def _compressor(x: _Context) -> ComponentKind:
@@ -223,7 +224,7 @@ def _compressor(x: _Context) -> ComponentKind:
          Formula("visibility", r"j < \lfloor (p+1)/r \rfloor")),
         (Port("in", "x", (x.B, x.T, x.D)), Port("out", "latent", (x.B, "T/r groups", x.latent)),
          Port("inside", "tail state", (x.B, "r slots", x.latent))),
-        tuple(lines), ("dsv41.model.compressor:Compressor",), "ARCHITECTURE.md §11.3–§11.5",
+        tuple(lines), ("dsv41.model.compressor:Compressor",), "docs/ARCHITECTURE.md §11.3–§11.5",
         present=bool(x.kv_sources))
 
 
@@ -257,7 +258,7 @@ def _indexer(x: _Context) -> ComponentKind:
          Port("out", "indices", (x.B, x.T, f"{c.index_topk} top-k")),
          Port("inside", "scores", (x.B, x.T, x.C))),
         tuple(lines), ("dsv41.model.indexer:Indexer", "dsv41.model.indexer:select_topk", "dsv41.model.indexer:visible_counts"),
-        "ARCHITECTURE.md §11.6", present=bool(x.index_sources))
+        "docs/ARCHITECTURE.md §11.6", present=bool(x.index_sources))
 
 
 def _candidate(x: _Context) -> ComponentKind:
@@ -279,7 +280,7 @@ def _candidate(x: _Context) -> ComponentKind:
          Port("inside", "block scores", (x.B, x.T, f"⌈C/{bs}⌉ blocks"))),
         (f"source: layer {c.candidate_source_layer}",
          f"restricted to its blocks: {layers_text(x.candidate_users)}"),
-        ("dsv41.model.indexer:candidate_blocks",), "ARCHITECTURE.md §11.6",
+        ("dsv41.model.indexer:candidate_blocks",), "docs/ARCHITECTURE.md §11.6",
         present=c.candidate_source_layer is not None)
 
 
@@ -304,7 +305,8 @@ def _sparse_attention(x: _Context) -> ComponentKind:
          Port("out", "out", (x.B, x.T, x.H, x.Dh))),
         (f"window rows only (≤ {c.window_size}): {window}",
          f"window + compressed rows (≤ {both}): {layers_text(compressed)}"),
-        ("dsv41.model.attention:sparse_attention", "dsv41.model.attention:window_indices"), "ARCHITECTURE.md §11.7")
+        ("dsv41.model.attention:sparse_attention", "dsv41.model.attention:window_indices"),
+        "docs/ARCHITECTURE.md §11.7")
 
 
 def _moe_lines(x: _Context) -> tuple[str, ...]:
@@ -326,7 +328,7 @@ def _moe(x: _Context) -> ComponentKind:
         "every token goes through, is added.",
         (Formula("output", r"y = \sum_{e \in \mathrm{chosen}} \mathrm{expert}_e(x; w_e) + \mathrm{shared}(x)"),),
         (Port("in", "x", (x.B, x.T, x.D)), Port("out", "y", (x.B, x.T, x.D))),
-        _moe_lines(x), ("dsv41.model.moe:MoE",), "ARCHITECTURE.md §13")
+        _moe_lines(x), ("dsv41.model.moe:MoE",), "docs/ARCHITECTURE.md §13")
 
 
 def _router(x: _Context) -> ComponentKind:
@@ -345,7 +347,7 @@ def _router(x: _Context) -> ComponentKind:
         (Port("in", "x", (tokens, x.D)), Port("out", "weights", (tokens, f"{c.n_activated_experts} active")),
          Port("out", "expert ids", (tokens, f"{c.n_activated_experts} active")),
          Port("inside", "scores", (tokens, f"{c.n_routed_experts} experts"))),
-        _moe_lines(x), ("dsv41.model.moe:Router", "dsv41.model.moe:route"), "ARCHITECTURE.md §13")
+        _moe_lines(x), ("dsv41.model.moe:Router", "dsv41.model.moe:route"), "docs/ARCHITECTURE.md §13")
 
 
 def _expert(x: _Context) -> ComponentKind:
@@ -363,7 +365,8 @@ def _expert(x: _Context) -> ComponentKind:
          Formula("output", r"\mathrm{expert}_e(x; w_e) = W_2\, h")),
         (Port("in", "x", (tokens, x.D)), Port("out", "y", (tokens, x.D)),
          Port("inside", "h", (tokens, f"{c.moe_inter_dim} hidden"))),
-        _moe_lines(x), ("dsv41.model.moe:RoutedExperts", "dsv41.model.moe:Expert", "dsv41.model.moe:swiglu"), "ARCHITECTURE.md §13")
+        _moe_lines(x), ("dsv41.model.moe:RoutedExperts", "dsv41.model.moe:Expert", "dsv41.model.moe:swiglu"),
+        "docs/ARCHITECTURE.md §13")
 
 
 def _hyper(x: _Context) -> ComponentKind:
@@ -389,7 +392,7 @@ def _hyper(x: _Context) -> ComponentKind:
          Port("out", "comb", (x.B, x.T, x.S, x.S)), Port("inside", "m", (x.B, x.T, f"{mix} mixes"))),
         ("every block and DSpark stage: hc_attn_* before attention, hc_ffn_* before the MoE",),
         ("dsv41.model.hyper:mixes", "dsv41.model.hyper:split_mixes", "dsv41.model.hyper:sinkhorn", "dsv41.model.hyper:collapse",
-         "dsv41.model.hyper:expand"), "ARCHITECTURE.md §7")
+         "dsv41.model.hyper:expand"), "docs/ARCHITECTURE.md §7")
 
 
 def _engram(x: _Context) -> ComponentKind:
@@ -413,7 +416,7 @@ def _engram(x: _Context) -> ComponentKind:
          Port("inside", "value", (x.B, x.T, x.D))),
         (f"before blocks {ranges(x.engram_layers)}; table rows {rows}",),
         ("dsv41.model.engram.module:Engram", "dsv41.model.engram.table:EngramTable", "dsv41.model.engram.hashing:NgramHasher"),
-        "ARCHITECTURE.md §9, ENGRAM-HASHING.md", present=bool(x.engram_layers))
+        "docs/ARCHITECTURE.md §9, docs/ENGRAM-HASHING.md", present=bool(x.engram_layers))
 
 
 def _engram_gate(x: _Context) -> ComponentKind:
@@ -429,7 +432,8 @@ def _engram_gate(x: _Context) -> ComponentKind:
          Formula("weight", r"w = q_{\mathrm{weight}} \odot k_{\mathrm{weight}}")),
         (x.stream("X_n"), x.stream("k^e"), Port("out", "g^e", (x.B, x.T, x.S))),
         (f"one per Engram layer: before blocks {ranges(x.engram_layers)}",),
-        ("dsv41.model.engram.module:stream_gate", "dsv41.model.engram.module:Engram.forward"), "ARCHITECTURE.md §9 steps 3–6",
+        ("dsv41.model.engram.module:stream_gate", "dsv41.model.engram.module:Engram.forward"),
+        "docs/ARCHITECTURE.md §9 steps 3–6",
         present=bool(x.engram_layers))
 
 
@@ -460,7 +464,7 @@ def _dspark(x: _Context) -> ComponentKind:
         (f"stages mtp.0–{c.n_mtp_layers - 1} (layer ids {c.n_layers}–{c.n_all_layers - 1}); targets: the streams "
          f"entering layers {ranges(c.dspark_target_layer_ids)}",),
         ("dsv41.model.dspark:DSparkStage", "dsv41.model.dspark:DSparkAttention.forward", "dsv41.model.dspark:draft"),
-        "ARCHITECTURE.md §15, GENERATION-AND-DSPARK.md",
+        "docs/ARCHITECTURE.md §15, docs/GENERATION-AND-DSPARK.md",
         present=c.dspark_enabled)
 
 
@@ -481,7 +485,7 @@ def _vision(x: _Context) -> ComponentKind:
         (Port("in", "patches", ("P patches", f"{3 * p * p} (3 × {p} × {p})")),
          Port("out", "features", ("P patches", f"{vd} vision d"))),
         (f"{c.vision_n_layers} blocks, applied once per image in the first chunk",),
-        ("dsv41.checkpoint.inventory:_vision",), "ARCHITECTURE.md §16.2–§16.3",
+        ("dsv41.checkpoint.inventory:_vision",), "docs/ARCHITECTURE.md §16.2–§16.3",
         present=c.vision_enabled, built=False)
 
 
@@ -499,7 +503,7 @@ def _aligner(x: _Context) -> ComponentKind:
         (Port("in", "ViT features", ("h patch rows", "w patch columns", f"{c.vision_dim} vision d")),
          Port("out", "image rows", (f"⌈h/{r}⌉·⌈w/{r}⌉ image positions", x.D))),
         (f"one per image span, up to {c.vision_max_n_token} LLM positions",),
-        ("dsv41.checkpoint.inventory:_aligner",), "ARCHITECTURE.md §16.4–§16.5",
+        ("dsv41.checkpoint.inventory:_aligner",), "docs/ARCHITECTURE.md §16.4–§16.5",
         present=c.vision_enabled, built=False)
 
 
@@ -514,7 +518,7 @@ def _head(x: _Context) -> ComponentKind:
                            r"W_{\mathrm{head}}^{\top}"),),
         (Port("in", "y", (x.B, x.T, x.D)), Port("out", "logits", (x.B, x.V))),
         (f"after layer {c.n_layers - 1}; tied to the DSpark stages",),
-        ("dsv41.model.layers:Head", "dsv41.model.transformer:Transformer.logits"), "ARCHITECTURE.md §8")
+        ("dsv41.model.layers:Head", "dsv41.model.transformer:Transformer.logits"), "docs/ARCHITECTURE.md §8")
 
 
 def _embedding(x: _Context) -> ComponentKind:
@@ -527,7 +531,8 @@ def _embedding(x: _Context) -> ComponentKind:
         (Formula("lookup", _tex(r"e_t = E_{\mathrm{id}_t},\quad X_{t,k} = e_t\;\; (k = 1, \ldots, @S)", S=c.hc_mult)),),
         (Port("in", "ids", (x.B, x.T)), Port("out", "e", (x.B, x.T, x.D))),
         ("before layer 0; tied to the DSpark stages",),
-        ("dsv41.model.layers:Embedding", "dsv41.checkpoint.inventory:_image_markers"), "ARCHITECTURE.md §8, §16.5")
+        ("dsv41.model.layers:Embedding", "dsv41.checkpoint.inventory:_image_markers"),
+        "docs/ARCHITECTURE.md §8, §16.5")
 
 
 def _norm(x: _Context) -> ComponentKind:
@@ -542,7 +547,7 @@ def _norm(x: _Context) -> ComponentKind:
                               r"\epsilon}},\quad \epsilon = @eps", eps=_power_of_ten(c.norm_eps))),),
         (Port("in", "x", ("…", "n features")), Port("out", "y", ("…", "n features"))),
         ("attn_norm and ffn_norm in every block; the final norm before the head",),
-        ("dsv41.model.layers:RMSNorm",), "ARCHITECTURE.md §6.7, §8")
+        ("dsv41.model.layers:RMSNorm",), "docs/ARCHITECTURE.md §6.7, §8")
 
 
 _BUILDERS = (_model, _stack, _block, _attention, _compressor, _indexer, _candidate, _sparse_attention, _moe,

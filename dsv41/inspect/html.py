@@ -1,7 +1,8 @@
 """Browsable pages for a Report: index.html plus one page per component kind.
 
 Plain HTML with an inline style sheet; formulas are MathML (rendered natively by browsers) with the
-LaTeX source beside them, so the pages need no script and no network access when viewed.
+LaTeX source beside them, so the pages need no script and no network access when viewed. The documents
+the pages cite (docs/*.md, see docs.py) are rendered beside them, and each citation links to its section.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from html import escape
 from pathlib import Path
 
+from . import docs
 from .accounting import fmt, ranges
 from .components import ComponentKind
 from .mathml import to_mathml
@@ -28,6 +30,7 @@ pre { padding: .5rem; overflow-x: auto; }
 nav a { margin: 0 .3rem; }
 details > ul { margin-top: .2rem; }
 ul.tree { list-style: none; padding-left: 1.2rem; }
+:target { background: #fff6d5; }
 """
 
 
@@ -35,7 +38,8 @@ def _e(text) -> str:
     return escape(str(text))
 
 
-# The page one level up in the breadcrumb ("40 layers › Engram › Gate per stream", as the seed pages read).
+# The page one level up in the breadcrumb ("40 layers › Engram › Gate per stream", as the seed pages read,
+# docs/PARAMETERS.md §7).
 _PARENT = {"engram_gate": "engram", "router": "moe", "expert": "moe", "candidate": "indexer",
            "sparse_attention": "attention", "compressor": "attention", "indexer": "attention", "block": "stack",
            "attention": "block", "moe": "block", "hyper_connections": "block", "norm": "block", "engram": "stack",
@@ -92,7 +96,7 @@ def _parameter_section(report: Report, kind: ComponentKind) -> str:
         if len(t.instances) > 4:
             out.append(f"<details><summary>all {len(t.instances)} instances</summary><p>"
                        f"{_e(', '.join(t.instances))}</p></details>")
-    out.append(f'<p class="note">{_e(CONVENTION)}</p>')
+    out.append(f'<p class="note">{docs.link_citations(CONVENTION, docs.available())}</p>')
     return "\n".join(out)
 
 
@@ -105,7 +109,8 @@ def _where_section(report: Report, kind: ComponentKind) -> str:
     if not kind.built:
         items.append("<li>not built by <code>dsv41.model</code>: its tensors and figures come from the checkpoint "
                      "layout (<code>dsv41/checkpoint/inventory.py</code>)</li>")
-    return f"<h2>Where it lives in dsv41</h2><ul>{''.join(items)}</ul><p class=note>Specification: {_e(kind.spec)}</p>"
+    spec = docs.link_citations(kind.spec, docs.available())
+    return f"<h2>Where it lives in dsv41</h2><ul>{''.join(items)}</ul><p class=note>Specification: {spec}</p>"
 
 
 def _kind_page(report: Report, kind: ComponentKind) -> str:
@@ -139,7 +144,8 @@ def _tree_html(report: Report, path: tuple[Node, ...], depth: int = 0) -> str:
 
 def _index_page(report: Report) -> str:
     acc = report.accounting
-    out = [f"<p>Configuration: <code>{_e(report.source)}</code></p><p>{_e(CONVENTION)}</p>"]
+    out = [f"<p>Configuration: <code>{_e(report.source)}</code></p>"
+           f"<p>{docs.link_citations(CONVENTION, docs.available())}</p>"]
     out.append("<ul>" + "".join(f"<li>{_e(label)}: <strong>{fmt(v)}</strong></li>" for label, v in report.headline())
                + "</ul>")
     groups = [(g.name, g.where, g.calculation, fmt(g.parameters)) for g in acc.groups()]
@@ -148,8 +154,7 @@ def _index_page(report: Report) -> str:
                       ("Per-instance total", "", "", fmt(acc.layers.parameters))))
     if acc.base_block is not None:
         out.append(f"<p>W = {fmt(acc.base_block)}: one block without compressor, indexer or Engram.</p>")
-    kinds = [(f'{k.title}', "yes" if k.present else "no", fmt(report.kind_total(k.key)))
-             for k in report.components.values()]
+    kinds = [(k.title, report.presence(k.key), fmt(report.kind_total(k.key))) for k in report.components.values()]
     links = "".join(f'<a href="{k.key}.html">{_e(k.title)}</a> ' for k in report.components.values() if k.present)
     out.append(f"<h2>Components</h2><nav>{links}</nav>"
                + _table(("Component", "In this configuration", "Parameters in all"), kinds))
@@ -162,15 +167,23 @@ def _index_page(report: Report) -> str:
     add_ons = [(a.label, ranges(a.layers), a.calculation, fmt(a.parameters)) for a in acc.add_on_rows()]
     out.append("<h2>Add-ons by role</h2>" + _table(("Add-on", "Layers", "Calculation", "Parameters"), add_ons))
     out.append(f'<h2>Component tree</h2><ul class="tree">{_tree_html(report, (report.tree,))}</ul>')
+    documents = docs.available()
+    if documents:
+        items = "".join(f'<li><a href="{docs.page_name(n)}">docs/{_e(n)}.md</a></li>' for n in documents)
+        out.append(f"<h2>Documents</h2><p>The explanations these pages cite, from the project's docs/ folder."
+                   f"</p><ul>{items}</ul>")
     return _page("DeepSeek-V4.1 — parameters and components", "\n".join(out))
 
 
 def write_html(report: Report, directory: str | Path) -> list[Path]:
-    """Write index.html and <kind>.html for every kind present in the config; returns the paths."""
+    """Write index.html, <kind>.html for every kind present in the config and doc-<name>.html for every
+    document of docs/; returns the paths."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     pages = {"index.html": _index_page(report)}
     pages.update({f"{k.key}.html": _kind_page(report, k) for k in report.components.values() if k.present})
+    for name, (title, body) in docs.render_pages(docs.available()).items():
+        pages[name] = _page(title, body)
     written = []
     for name, text in pages.items():
         (directory / name).write_text(text, encoding="utf-8")

@@ -40,6 +40,19 @@ _TEXT_COMMANDS = ("operatorname", "mathrm", "text")
 _TOKEN = re.compile(r"\\[A-Za-z]+|\\.|[0-9]+(?:\.[0-9]+)?|[A-Za-z]|\s+|.")
 
 
+def _keep_edge_spaces(text: str) -> str:
+    """Leading and trailing spaces of a text as no-break spaces (U+00A0).
+
+    MathML renderers strip whitespace at the edges of a token element, so `\\text{ or }` between two
+    numbers would render as "160000or10000"; no-break spaces are characters, not whitespace, and stay.
+    """
+    core = text.strip()
+    if not core:
+        return "\u00a0" * len(text)
+    start = text.index(core)
+    return "\u00a0" * start + core + "\u00a0" * (len(text) - start - len(core))
+
+
 class _Parser:
     def __init__(self, latex: str):
         self.latex = latex
@@ -92,7 +105,7 @@ class _Parser:
             depth += {"{": 1, "}": -1}.get(self.tokens[self.i], 0)
             self.i += 1
         words = "".join(self.tokens[start:self.i - 1]).replace("\\_", "_").replace("\\,", " ")
-        return escape(words)
+        return escape(_keep_edge_spaces(words))
 
     def scripted(self) -> str:
         limits = self.peek() in ("\\" + k for k in _LIMIT_OPERATORS) or self.peek() in (

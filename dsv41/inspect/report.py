@@ -1,27 +1,29 @@
 """The inspection report of one config, rendered as text or as a JSON-ready dict (HTML: html.py).
 
 A Report joins the accounting (numbers and the component tree), the component descriptions and where
-each component lives in dsv41. Its tables use the seed documents' columns, "Component | Calculation |
-Parameters"; identical instances of a component (forty attention blocks, say) share one table.
+each component lives in dsv41. Its tables use the seed documents' columns (docs/PARAMETERS.md §7),
+"Component | Calculation | Parameters"; identical instances of a component (forty attention blocks, say)
+share one table.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..model.roles import derive_roles
 from .roles import roles_table
 from ..config import ModelConfig
-from .accounting import Accounting, fmt, layers_text
+from .accounting import Accounting, fmt, layers_text, ranges
 from .components import ComponentKind
 from .locations import CodeLocation
 from .tree import Node
 
 CONVENTION = ("Derived from the checkpoint layout of this configuration: fp4 routed experts at their logical size "
               "(two values per stored byte), every other tensor at its element count, quantisation scales not "
-              "counted (PARAMETERS.md §1). The per-instance total of the block stack leaves out the embedding, the "
-              "head and the final norm, the vision encoder and aligner and the DSpark stages; each is reported "
-              "under its own label.")
+              "counted (docs/PARAMETERS.md §1). The per-instance total of the block stack leaves out the "
+              "embedding, the head and the final norm, the vision encoder and aligner and the DSpark stages; "
+              "each is reported under its own label.")
 HEADLINE_KEYS = ("blocks", "engram_gate")
 
 
@@ -101,6 +103,25 @@ class Report:
     def kind_total(self, kind: str) -> int:
         return sum(node.parameters for _, node in self.instances(kind))
 
+    def presence(self, key: str) -> str:
+        """"no", or "yes" and where the component sits in this configuration ("yes — layers 2, 8, 14, 20").
+
+        Where comes from the component's instances in the tree; a part without parameters of its own (the
+        candidate stage) names its first role line instead.
+        """
+        kind = self.components[key]
+        if not kind.present:
+            return "no"
+        found = {"layers": set(), "mtp": set()}
+        for label, _ in self.instances(key):
+            if m := re.match(r"(layers|mtp)\.(\d+)\b", label):
+                found[m.group(1)].add(int(m.group(2)))
+        where = [layers_text(found["layers"])] if found["layers"] else []
+        where += [f"mtp.{ranges(found['mtp'])}"] if found["mtp"] else []
+        if not where and not self.instances(key) and kind.roles:
+            where = [kind.roles[0]]
+        return "yes — " + "; ".join(where) if where else "yes"
+
     def headline(self) -> list[tuple[str, int]]:
         figs = self.accounting.figures
         return [(figs[k].label, figs[k].value) for k in HEADLINE_KEYS if k in figs]
@@ -167,6 +188,7 @@ def _table_lines(rows, headers: tuple[str, ...]) -> list[str]:
 
 def _component_lines(report: Report) -> list[str]:
     lines = []
+    absent = [k.title for k in report.components.values() if not k.present]
     for kind in report.components.values():
         if not kind.present:
             continue
@@ -177,6 +199,8 @@ def _component_lines(report: Report) -> list[str]:
                 lines.append(f"    {port.role + ':':5s}{port.render()}")
         where = "; ".join(str(loc) for loc in report.code[kind.key][:2])
         lines.append(f"    where: {where}" + ("" if kind.built else " (not built by dsv41.model)"))
+    if absent:
+        lines.append(f"Not in this configuration: {', '.join(absent)}")
     return lines
 
 
@@ -214,8 +238,10 @@ def render_text(report: Report) -> str:
     out += ["", "Component tree (parameters; a subtree equal to one shown earlier is not repeated)"]
     out += _tree_lines(report)
     out += ["", "Components (shapes and where they live)"] + _component_lines(report)
-    out += ["", "Layer roles (ARCHITECTURE.md §3, derived by dsv41/model/roles.py)"] + roles_table(derive_roles(cfg)).splitlines()
-    out += ["", f"The {cfg.n_layers} layers, per instance (the seed documents' groups)"] + _group_lines(report)
+    out += ["", "Layer roles (docs/ARCHITECTURE.md §3, derived by dsv41/model/roles.py)"]
+    out += roles_table(derive_roles(cfg)).splitlines()
+    out += ["", f"The {cfg.n_layers} layers, per instance (the seed documents' groups, docs/PARAMETERS.md §5)"]
+    out += _group_lines(report)
     gates = acc.engram_gates()
     if gates:
         gate = acc.figures.get("engram_gate")
@@ -243,7 +269,8 @@ def _node_dict(report: Report, path: tuple[Node, ...]) -> dict:
 
 def _kind_dict(report: Report, kind: ComponentKind) -> dict:
     return {
-        "title": kind.title, "present": kind.present, "built_by_model": kind.built,
+        "title": kind.title, "present": kind.present, "in_this_configuration": report.presence(kind.key),
+        "built_by_model": kind.built,
         "description": kind.description, "spec": kind.spec,
         "formulas": [{"label": f.label, "latex": f.latex} for f in kind.formulas],
         "shapes": [{"role": p.role, "name": p.name, "dims": list(p.dims), "text": p.render()} for p in kind.ports],

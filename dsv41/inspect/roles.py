@@ -1,4 +1,5 @@
-"""The layer-role table and the seed documents' grouping of blocks, for `dsv41 inspect` (ARCHITECTURE.md §3).
+"""The layer-role table (docs/ARCHITECTURE.md §3) and the seed documents' block groups (docs/PARAMETERS.md §5),
+for `dsv41 inspect`.
 
 The roles themselves are derived in `dsv41.model.roles`; this module only presents them.
 """
@@ -45,7 +46,7 @@ def roles_table(roles: tuple[LayerRole, ...]) -> str:
 
 @dataclass(frozen=True)
 class SeedGroup:
-    """One row of the seed document's grouping: a run of same-kind blocks, or an Engram module."""
+    """One row of the seed document's grouping (docs/PARAMETERS.md §5): same-kind blocks, or an Engram module."""
 
     name: str
     layers: tuple[int, ...]

@@ -6,7 +6,7 @@ head; DSpark → mtp.S (the same block parts plus its input and draft-head extra
 aligner. Nodes carry the checkpoint prefix they cover and a component kind (the page that describes them,
 see components.py); leaves hold Parts, one per tensor or per family of identical expert tensors.
 
-Each tensor is counted three ways (PARAMETERS.md §1): `parameters` (the convention: fp4 at logical size,
+Each tensor is counted three ways (docs/PARAMETERS.md §1): `parameters` (the convention: fp4 at logical size,
 scales not counted), `stored` (elements as stored, scales not counted) and `scales` (scale elements).
 """
 
@@ -17,12 +17,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ..checkpoint.spec import TensorSpec
+from ..errors import CheckpointError
 
-# Packed e2m1 holds two values per I8 byte (ARCHITECTURE.md §6.1): an fp4 expert [out, in/2] stands for
-# out·in parameters (PARAMETERS.md §1).
+# Packed e2m1 holds two values per I8 byte (docs/ARCHITECTURE.md §6.1): an fp4 expert [out, in/2] stands for
+# out·in parameters (docs/PARAMETERS.md §1).
 FP4_VALUES_PER_BYTE = 2
 FP4_STORAGE = "I8"
-# Quantisation scales are ue8m0 tensors named `….scale` (CHECKPOINT.md §2); `hc_*_scale` are fp32 and
+# Quantisation scales are ue8m0 tensors named `….scale` (docs/CHECKPOINT.md §2); `hc_*_scale` are fp32 and
 # are parameters.
 SCALE_DTYPE = "F8_E8M0"
 
@@ -32,7 +33,7 @@ def is_scale(spec: TensorSpec) -> bool:
 
 
 def counted_parameters(spec: TensorSpec) -> int:
-    """The PARAMETERS.md §1 convention for one tensor."""
+    """The docs/PARAMETERS.md §1 convention for one tensor."""
     if is_scale(spec):
         return 0
     return spec.numel * FP4_VALUES_PER_BYTE if spec.dtype == FP4_STORAGE else spec.numel
@@ -111,7 +112,7 @@ _MOE: Segment = ("MoE", "moe", "ffn")
 _ENGRAM: Segment = ("Engram", "engram", "engram")
 _DRAFT: Segment = ("draft head", None, None)
 
-# Inside a backbone block or a DSpark stage (ARCHITECTURE.md §5, §15; CHECKPOINT.md §3).
+# Inside a backbone block or a DSpark stage (docs/ARCHITECTURE.md §5, §15; docs/CHECKPOINT.md §3).
 _BLOCK_RULES: tuple[tuple[re.Pattern, tuple[Segment, ...]], ...] = tuple((re.compile(p), segs) for p, segs in (
     (r"engram\.embed\.", (_ENGRAM, ("table", None, "engram.embed"))),
     (r"engram\.wkv\.", (_ENGRAM, ("wkv", None, "engram.wkv"))),
@@ -166,7 +167,7 @@ def _match(rules, rest: str, name: str) -> tuple[Segment, ...]:
     for pattern, segs in rules:
         if pattern.match(rest):
             return segs
-    raise ValueError(f"{name}: no component of the inventory layout holds this tensor")
+    raise CheckpointError(f"{name}: no component of the inventory layout holds this tensor")
 
 
 def place(name: str) -> tuple[list[Segment], str]:
@@ -188,7 +189,7 @@ def place(name: str) -> tuple[list[Segment], str]:
     head = name.split(".", 1)[0]
     if head in _TOP_LEVEL:
         return [_TOP_LEVEL[head]], name
-    raise ValueError(f"{name}: no component of the inventory layout holds this tensor")
+    raise CheckpointError(f"{name}: no component of the inventory layout holds this tensor")
 
 
 def _part_name(relative: str) -> str:
@@ -216,7 +217,7 @@ def _count(node: Node, name: str, spec: TensorSpec) -> None:
         return
     part = node.parts.setdefault(name, Part(name, spec.dtype, spec.shape))
     if (part.dtype, part.shape) != (spec.dtype, spec.shape):
-        raise ValueError(f"{spec.name}: {spec.describe()} differs from the other tensors of {name}")
+        raise CheckpointError(f"{spec.name}: {spec.describe()} differs from the other tensors of {name}")
     part.count += 1
     part.parameters += counted_parameters(spec)
     part.stored += spec.numel

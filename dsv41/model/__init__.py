@@ -1,5 +1,5 @@
 """The DeepSeek-V4.1 model: layers, attention with compressor and indexer, MoE, hyper-connections,
-Engram, DSpark stages, the per-sequence cache and the per-step metadata (ARCHITECTURE.md)."""
+Engram, DSpark stages, the per-sequence cache and the per-step metadata (docs/ARCHITECTURE.md)."""
 
 from .transformer import ModelOutput, Transformer
 

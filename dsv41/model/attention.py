@@ -2,14 +2,17 @@
 
 Shapes: B rows of the call (cache slots), N packed tokens of the call (step.py), D dim, Qr query rank,
 H heads, Dh head dim (= latent width), R rope dim, G output groups, Or output rank per group, W window,
-C compressed positions read per row, K top-k, n entries of a token's attention list.
+C compressed positions read per row, K top-k, k = min(K, C) entries a token lists, n entries of a token's
+attention list.
 
 Every layer attends to the last W positions (the row's ring in the cache + the row's own tokens in the
 call). Layers with a compress ratio also attend to up to K compressed positions chosen by their index
-source; kv sources compress their own KV, everyone else reads their kv source's rows (ARCHITECTURE.md
-§3, §11). The key pool of a call is [rings (B·W) | call tokens (N) | compressed rows (B·C)], and each
-token's list indexes into its own row's parts only. What a source hands to the layers after it within
-one forward lives in a `Handoff`, not in a global.
+source; kv sources compress their own KV, everyone else reads their kv source's rows (docs/ARCHITECTURE.md
+§3, §11). The key pool of a call is [rings (B·W) | call tokens (N) | compressed rows], and each token's
+list indexes into its own row's parts only; the compressed rows are each row's C rows (B·C) or, when
+fewer, the k rows each token lists (N·k), so a call's pool does not grow with the context
+(`_compressed`). What a source hands to the layers after it within one forward lives in a `Handoff`,
+not in a global.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from torch import nn
 from ..config import ModelConfig
 from .cache import ModelCache, SourceState
 from .compressor import Compressor
-from .indexer import Indexer, candidate_blocks, select_topk
+from .indexer import DEFAULT_BUDGET_BYTES, Indexer
 from .layers import Linear, RMSNorm, dense_storage
 from .numerics import Numerics
 from .roles import LayerRole
@@ -58,7 +61,11 @@ def window_indices(step: Step, window: int) -> torch.Tensor:
 
 
 def _gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """pool [B, N, Dh], rows [B, T, n] → fp32 [B, T, n, Dh], zeros where the row is −1."""
+    """pool [B, N, Dh], rows [B, T, n] → fp32 [B, T, n, Dh], zeros where the row is −1.
+
+    n is one attention block (64) or, without blocks, a whole list of W + k ≤ W + K entries: the copy
+    is bounded by T·(W + K)·Dh whatever the context.
+    """
     picked = torch.gather(pool.unsqueeze(1).expand(-1, rows.shape[1], -1, -1), 2,
                           rows.clamp(min=0).unsqueeze(-1).expand(-1, -1, -1, pool.shape[-1]))
     return picked.float() * (rows >= 0).unsqueeze(-1)
@@ -103,7 +110,8 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, si
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: Numerics, device=None, dtype=torch.bfloat16):
+    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: Numerics, device=None, dtype=torch.bfloat16,
+                 indexer_budget_bytes: int = DEFAULT_BUDGET_BYTES):
         super().__init__()
         self.role, self.numerics = role, numerics
         self.n_heads, self.head_dim, self.window = cfg.n_heads, cfg.head_dim, cfg.window_size
@@ -125,7 +133,8 @@ class Attention(nn.Module):
         self.compressor = (Compressor(cfg.dim, cfg.head_dim, role.ratio, cfg.norm_eps, **kw)
                            if role.is_kv_source else None)
         self.indexer = (Indexer(cfg.dim, cfg.q_lora_rank, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim,
-                                cfg.norm_eps, owns_keys=role.is_kv_source, dense=dense, **kw)
+                                cfg.norm_eps, owns_keys=role.is_kv_source, dense=dense,
+                                budget_bytes=indexer_budget_bytes, **kw)
                         if role.is_index_source else None)
 
     # -------------------------------------------------------------------------------- forward
@@ -141,11 +150,10 @@ class Attention(nn.Module):
             handoff.window_rows[self.window] = window_indices(step, self.window)
         rows = handoff.window_rows[self.window]                                     # [N, W]
         if self.role.ratio:
-            compressed, selected = self._compressed(x, qr, step, handoff, cache)   # [B·C, Dh], [N, k]
-            C = compressed.shape[0] // step.n_rows
-            base = sum(p.shape[0] for p in pool) + step.row.unsqueeze(1) * C
+            compressed, listed = self._compressed(x, qr, step, handoff, cache)     # [M, Dh], [N, k]
+            base = sum(p.shape[0] for p in pool)
             pool.append(compressed)
-            rows = torch.cat([rows, torch.where(selected >= 0, base + selected, -1)], dim=-1)
+            rows = torch.cat([rows, torch.where(listed >= 0, base + listed, -1)], dim=-1)
 
         o = sparse_attention(q, torch.cat(pool)[None], rows[None], self.attn_sink, self.softmax_scale, self.numerics)
         cache.write_window(layer, kv[0], step)
@@ -160,8 +168,14 @@ class Attention(nn.Module):
 
     # -------------------------------------------------------------------------------- compressed part
     def _compressed(self, x, qr, step: Step, handoff: Handoff, cache: ModelCache):
-        """(compressed rows [B·C, Dh] of the kv source, row after row; selection [N, k] into a token's
-        own row's compressed rows, or −1)."""
+        """(compressed rows [M, Dh] of the kv source the call's lists read; per token its k entries [N, k]
+        as rows of them, or −1).
+
+        M = B·C (each row's compressed rows, row after row) or, when smaller, N·k: token i's selected
+        rows at i·k … i·k + k − 1. A decode step or a chunk deep into a long context reads k rows per
+        token instead of copying the row's C; either pool gives every listed entry the same values in the
+        same order, hence the same bits.
+        """
         role = self.role
         source = cache.sources[role.kv_source]
         published = [False] * step.n_rows
@@ -173,8 +187,14 @@ class Attention(nn.Module):
         C = step.compressed_rows(role.ratio)
         if role.is_index_source:
             handoff.publish_selection(role.layer_id, self._select(x, qr, step, handoff, cache, C, published))
-        kv, _ = source.rows(step.slots, C)
-        return kv.flatten(0, 1), handoff.selection_for(role)
+        selected = handoff.selection_for(role)                                      # [N, k]
+        N, k = selected.shape
+        if N * k < step.n_rows * C:
+            picked = source.kv[step.token_slot.unsqueeze(1), selected.clamp(min=0)]   # [N, k, Dh]
+            listed = torch.arange(N * k, device=x.device).view(N, k)
+            return picked.flatten(0, 1), torch.where(selected >= 0, listed, -1)
+        kv = source.kv[list(step.slots), :C]                                         # [B, C, Dh]
+        return kv.flatten(0, 1), torch.where(selected >= 0, step.row.unsqueeze(1) * C + selected, -1)
 
     def _compress(self, x: torch.Tensor, step: Step, source: SourceState) -> list[bool]:
         """Compress the groups each row completes into its slot's rows and index keys; → per row, whether
@@ -201,21 +221,30 @@ class Attention(nn.Module):
         return role.kv_source
 
     def _select(self, x, qr, step: Step, handoff: Handoff, cache: ModelCache, C: int, published: list[bool]):
-        """[N, k] compressed positions per token, ascending, −1 for none (§11.6)."""
+        """[N, k] compressed positions per token, ascending, −1 for none (§11.6).
+
+        Each row is scored in chunks of query rows (`Indexer.select`), so the indexer's transients stay
+        within its budget whatever C is; the candidate source fills its [1, N, C] kept-block mask chunk
+        by chunk.
+        """
         if C == 0:
             return torch.empty(step.n_tokens, 0, dtype=torch.long, device=x.device)
-        visible = step.visible(self.role.ratio)                                     # [N]
-        parts = []
+        role = self.role
+        visible = step.visible(role.ratio)                                          # [N]
+        blocks = keep = restrict = None
+        if role.is_candidate_source:
+            blocks = (self.candidate_topk_blocks, self.candidate_block_size)
+            keep = torch.zeros(1, step.n_tokens, C, dtype=torch.bool, device=x.device)
+        elif role.candidate_source is not None:
+            restrict = handoff.candidates_for(role)                                 # [1, N, C]
+        chosen = torch.empty(step.n_tokens, min(self.index_topk, C), dtype=torch.long, device=x.device)
         for r, slot in enumerate(step.slots):
             owner = cache.sources[self._keys_owner(step, cache, r, published)]
             keys = owner.index_keys[slot:slot + 1, :C]                              # [1, C, Di]
             seg = step.tokens_of(r)
-            parts.append(self.indexer.scores(x[:, seg], qr[:, seg], keys, step.positions[seg], visible[seg],
-                                             self.rotary))
-        scores = torch.cat(parts, dim=1)                                            # [1, N, C]
-        if self.role.is_candidate_source:
-            handoff.publish_candidates(self.role.layer_id, candidate_blocks(
-                scores, visible, self.candidate_topk_blocks, self.candidate_block_size))
-        elif self.role.candidate_source is not None:
-            scores = scores.masked_fill(~handoff.candidates_for(self.role), float("-inf"))
-        return select_topk(scores, visible, self.index_topk)[0]
+            self.indexer.select(x[:, seg], qr[:, seg], keys, step.positions[seg], visible[seg], self.rotary,
+                                self.index_topk, blocks=blocks, keep=None if keep is None else keep[:, seg],
+                                restrict=None if restrict is None else restrict[:, seg], out=chosen[None, seg])
+        if keep is not None:
+            handoff.publish_candidates(role.layer_id, keep)
+        return chosen

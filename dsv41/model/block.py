@@ -1,4 +1,4 @@
-"""One block of DeepSeek-V4.1 (ARCHITECTURE.md §5): hyper-connections around attention and MoE.
+"""One block of DeepSeek-V4.1 (docs/ARCHITECTURE.md §5): hyper-connections around attention and MoE.
 
 Shapes: B batch, T positions, S streams (hc_mult), D dim.
 """
@@ -10,6 +10,7 @@ from torch import nn
 
 from . import hyper
 from .attention import Attention
+from .indexer import DEFAULT_BUDGET_BYTES
 from .cache import ModelCache
 from ..config import ModelConfig
 from .engram import Engram
@@ -25,12 +26,13 @@ class Block(nn.Module):
 
     attention_cls = Attention
 
-    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: Numerics, device=None, dtype=torch.bfloat16):
+    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: Numerics, device=None, dtype=torch.bfloat16,
+                 indexer_budget_bytes: int = DEFAULT_BUDGET_BYTES):
         super().__init__()
         self.role, self.numerics = role, numerics
         self.hc_iters, self.norm_eps, self.hc_eps = cfg.hc_sinkhorn_iters, cfg.norm_eps, cfg.hc_eps
         kw = dict(numerics=numerics, device=device, dtype=dtype)
-        self.attn = self.attention_cls(cfg, role, **kw)
+        self.attn = self.attention_cls(cfg, role, indexer_budget_bytes=indexer_budget_bytes, **kw)
         n_experts, n_active = ((cfg.dspark_n_routed_experts, cfg.dspark_n_activated_experts) if role.is_dspark
                                else (cfg.n_routed_experts, cfg.n_activated_experts))
         self.ffn = MoE(cfg.dim, cfg.moe_inter_dim, n_experts, n_active, cfg.route_scale, cfg.swiglu_limit,

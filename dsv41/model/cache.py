@@ -3,13 +3,13 @@
 Shapes: S slots, W window, Dh head dim, Di index head dim, r compress ratio, L max context; B rows and
 N packed tokens of a call (step.py).
 
-| state                | owner                         | shape                  | ARCHITECTURE.md |
-|----------------------|-------------------------------|------------------------|-----------------|
-| window ring          | every layer, DSpark included  | [S, W, Dh]             | §11.2           |
-| compressed KV        | kv sources                    | [S, L / r, Dh]         | §11.4           |
-| index keys           | kv sources                    | [S, L / r, Di]         | §11.6           |
-| compressor tail      | r > 1 kv sources              | [S, r, Dh] × 2, fp32   | §11.3           |
-| Engram hash history  | the model                     | [S, L]                 | ENGRAM-HASHING §4 |
+| state                | owner                         | shape                  | docs/                   |
+|----------------------|-------------------------------|------------------------|-------------------------|
+| window ring          | every layer, DSpark included  | [S, W, Dh]             | ARCHITECTURE.md §11.2   |
+| compressed KV        | kv sources                    | [S, L / r, Dh]         | ARCHITECTURE.md §11.4   |
+| index keys           | kv sources                    | [S, L / r, Di]         | ARCHITECTURE.md §11.6   |
+| compressor tail      | r > 1 kv sources              | [S, r, Dh] × 2, fp32   | ARCHITECTURE.md §11.3   |
+| Engram hash history  | the model                     | [S, L]                 | ENGRAM-HASHING.md §4    |
 
 Position p of a slot lives in ring slot p mod W; compressed row j stands for positions j·r … j·r + r − 1.
 Each slot holds one sequence at its own length; the cache's layout is written only by the methods here
@@ -158,7 +158,7 @@ class ModelCache:
     # ---------------------------------------------------------------------------------- rollback
     def snapshot(self, step: Step) -> "Snapshot":
         """Save what a call will overwrite, so that `rollback` can drop a suffix of each row (rejected
-        speculative drafts, GENERATION-AND-DSPARK.md §3)."""
+        speculative drafts, docs/GENERATION-AND-DSPARK.md §3)."""
         W = next(iter(self.window.values())).shape[1]
         if max(step.counts) > W:
             raise CacheError(f"a call of {max(step.counts)} positions cannot be rolled back with a window of {W}")

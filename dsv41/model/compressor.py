@@ -1,4 +1,4 @@
-"""The KV compressor of a kv source (ARCHITECTURE.md §11.3).
+"""The KV compressor of a kv source (docs/ARCHITECTURE.md §11.3).
 
 Shapes: n positions of one row in the call, D dim, Dh head dim (latent width), r ratio, g new latents.
 
@@ -24,7 +24,7 @@ class Compressor(nn.Module):
                  dtype=torch.bfloat16):
         super().__init__()
         self.ratio, self.numerics = ratio, numerics
-        # r > 1 pools in fp32, so its weights are held in fp32 (CHECKPOINT.md §3.3).
+        # r > 1 pools in fp32, so its weights are held in fp32 (docs/CHECKPOINT.md §3.3).
         storage = "fp32" if ratio > 1 else "bf16"
         kw = dict(numerics=numerics, device=device, dtype=dtype, stored_as="bf16")
         self.wkv = Linear(dim, head_dim, storage, **kw)

@@ -4,7 +4,7 @@ Shapes: B batch, T main rows, D dim, Dt = D · len(dspark_target_layer_ids), Bs 
 (dspark_block_size: the last sampled token + Bs − 1 noise tokens), S streams, V vocab, Rm Markov rank.
 
 Each stage is a block with window-only attention (θ = rope_theta, no YaRN) and a smaller MoE, whose
-window ring holds KV made from the backbone (ARCHITECTURE.md §15): the stream means entering the target
+window ring holds KV made from the backbone (docs/ARCHITECTURE.md §15): the stream means entering the target
 layers, projected by `main_proj` + `main_norm` of stage 0. Drafting runs the Bs draft rows at positions
 p + 1 … p + Bs through the stages; each row attends to the ring and to every draft row (no causal mask).
 The last stage's norm and the backbone's tied head give logits, a rank-Rm Markov head adds a bias from
@@ -12,7 +12,7 @@ the previous draft token, and a confidence head scores each row.
 
 The reference writes one main row per call; here `observe` writes any number of rows (every accepted
 position of a speculative step), and `draft` proposes from the last observed position
-(GENERATION-AND-DSPARK.md §3).
+(docs/GENERATION-AND-DSPARK.md §3).
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ class DSparkStage(Block):
 
     attention_cls = DSparkAttention
 
-    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: Numerics, device=None, dtype=torch.bfloat16):
-        super().__init__(cfg, role, numerics=numerics, device=device, dtype=dtype)
+    def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: Numerics, device=None, dtype=torch.bfloat16,
+                 **block):
+        super().__init__(cfg, role, numerics=numerics, device=device, dtype=dtype, **block)
         index = role.layer_id - cfg.n_layers
         if index == 0:
             width = cfg.dim * len(cfg.dspark_target_layer_ids)

@@ -1,6 +1,6 @@
 """Number-format codecs, block quantisation and quantise-dequantise (QDQ) helpers.
 
-Formats are those of ARCHITECTURE.md §6.1 and CHECKPOINT.md §2: e4m3 (`float8_e4m3fn`), ue8m0
+Formats are those of docs/ARCHITECTURE.md §6.1 and docs/CHECKPOINT.md §2: e4m3 (`float8_e4m3fn`), ue8m0
 (`float8_e8m0fnu`, value 2^(byte-127), 0xFF = NaN), e2m1 (fp4, sign in bit 3) and packed fp4 (low
 nibble = even element). Weight layouts follow §6.2, activation quantisation §6.3, the attention QDQ
 points #2-#4 §6.4. All arithmetic is fp32; every function is pure and works on any device and any

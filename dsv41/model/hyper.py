@@ -1,4 +1,4 @@
-"""Hyper-connections: the residual stream carried as S parallel streams (ARCHITECTURE.md §5, §7).
+"""Hyper-connections: the residual stream carried as S parallel streams (docs/ARCHITECTURE.md §5, §7).
 
 Shapes: B batch, T positions, S streams (hc_mult), D dim, M = (2 + S)·S mix width.
 

@@ -5,7 +5,7 @@ Shapes: B batch, T positions, D dim, V vocab; `...` is any leading shape.
 A `Linear` is built from the storage the checkpoint uses ("fp8", "fp4", "bf16", "fp32") and the
 run's `Numerics` policy:
 - `reference` keeps fp8 / fp4 weights quantised (weight + ue8m0 `scale`, named as in the checkpoint),
-  quantises activations to fp8 and runs the reference's blockwise GEMM (ARCHITECTURE.md §6.3); outputs
+  quantises activations to fp8 and runs the reference's blockwise GEMM (docs/ARCHITECTURE.md §6.3); outputs
   are bf16.
 - `fast` holds every quantised weight dequantised in the compute dtype and skips activation
   quantisation.
@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
 
 
 def weight_shapes(in_features: int, out_features: int, storage: str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-    """Stored (weight, scale) shapes of a quantised or plain [out, in] matrix (CHECKPOINT.md §2)."""
+    """Stored (weight, scale) shapes of a quantised or plain [out, in] matrix (docs/CHECKPOINT.md §2)."""
     b = formats.FP8_WEIGHT_BLOCK
     if storage == "fp8":
         return (out_features, in_features), (-(-out_features // b), -(-in_features // b))
@@ -84,7 +84,7 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 def dense_storage(cfg) -> str:
-    """Storage of the dense Linears: `dtype` of the config ("fp8" in the release, CHECKPOINT.md §3)."""
+    """Storage of the dense Linears: `dtype` of the config ("fp8" in the release, docs/CHECKPOINT.md §3)."""
     return "fp8" if cfg.dtype == "fp8" else "bf16"
 
 
@@ -92,7 +92,7 @@ def expert_storage(cfg) -> str:
     """Storage of the routed experts: fp4 when `expert_dtype` is "fp4", else that of the dense Linears.
 
     This is how the reference reads the key (its experts take the fp4 dtype or the default one), so
-    "fp8", "bf16" and null all mean "as `dtype`" (ARCHITECTURE.md §2)."""
+    "fp8", "bf16" and null all mean "as `dtype`" (docs/ARCHITECTURE.md §2)."""
     return "fp4" if cfg.expert_dtype == "fp4" else dense_storage(cfg)
 
 

@@ -1,4 +1,4 @@
-"""Mixture of experts: √softplus router, stacked routed experts, one shared expert (ARCHITECTURE.md §13).
+"""Mixture of experts: √softplus router, stacked routed experts, one shared expert (docs/ARCHITECTURE.md §13).
 
 Shapes: n tokens (B·T flattened), D dim, F expert hidden, E routed experts (local to this rank),
 A experts per token, P = n·A token–expert pairs.

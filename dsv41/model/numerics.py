@@ -6,7 +6,7 @@ One frozen object, built from the runtime config and passed to every module (STY
 
 - `mode` "reference" keeps fp8 / fp4 weights quantised, quantises activations before every quantised
   GEMM, applies the three attention QDQ points and rounds attention probabilities per block of 64, as
-  the public reference does (ARCHITECTURE.md §6); "fast" holds dequantised weights and skips all of it.
+  the public reference does (docs/ARCHITECTURE.md §6); "fast" holds dequantised weights and skips all of it.
 - `kernels` decides how a product-sum is reduced:
   - "invariant": every matmul is reduced in float64 and rounded once to its output precision. The
     operands of the model's matmuls are bf16 values or quantised values, whose products are exact in
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from . import formats
+from ..config import ConfigError
 
 MODES = ("reference", "fast")
 KERNELS = ("invariant", "blas")
@@ -49,9 +50,9 @@ class Numerics:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"numerics must be one of {MODES}, got {self.mode!r}")
+            raise ConfigError(f"numerics must be one of {MODES}, got {self.mode!r}")
         if self.kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+            raise ConfigError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
 
     @classmethod
     def default(cls, mode: str) -> "Numerics":

@@ -1,4 +1,4 @@
-"""Layer roles of DeepSeek-V4.1, derived from the config in one place (ARCHITECTURE.md §3).
+"""Layer roles of DeepSeek-V4.1, derived from the config in one place (docs/ARCHITECTURE.md §3).
 
 Who compresses, who indexes, whose compressed cache and whose top-K selection a layer reads, who picks
 candidate blocks and who is restricted to them, where Engram sits and which streams feed DSpark: every

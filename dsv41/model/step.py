@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import UserError
 
-class CacheError(ValueError):
+
+class CacheError(UserError):
     """A call that does not fit the cache it was given (too long, unknown slot, out of order)."""
 
 
@@ -36,7 +38,7 @@ class Step:
     reference_layout: bool = False
     """List attention windows as the reference does (numerics.py BLAS kernels; docs/NUMERICS.md N3)."""
     stale_index_keys: bool = False
-    """Reproduce the reference's stale index-key slot (ARCHITECTURE.md §17 trap 15)."""
+    """Reproduce the reference's stale index-key slot (docs/ARCHITECTURE.md §17 trap 15)."""
     row: torch.Tensor = field(init=False)
     """int64 [N]: the call row (0 … B − 1) of each token."""
     positions: torch.Tensor = field(init=False)

@@ -4,7 +4,7 @@ Shapes: [..., n] scores, k chosen along the last dim.
 
 `torch.topk` leaves the order of equal scores to the kernel: the CPU and the GPU, or one kernel at
 two call shapes, pick different members of a tie at the k-boundary. The indexer's scores are summed
-ReLUs, so many are exactly 0 (ARCHITECTURE.md §17 trap 14), and a 6-row verify call then chose other
+ReLUs, so many are exactly 0 (docs/ARCHITECTURE.md §17 trap 14), and a 6-row verify call then chose other
 compressed positions than the 1-row decode call at the same position. Here every score is widened to a
 unique int64 key — the score's order-preserving integer image in the high 32 bits, the complement of
 its index in the low 32 — so no two entries tie and any top-k kernel returns the same set. The cost

@@ -27,6 +27,7 @@ from ..config import ModelConfig, RuntimeConfig
 from .layers import Embedding, Head, RMSNorm
 from .roles import derive_roles
 from .step import Handoff, Step
+from ..errors import CheckpointError, InputError
 
 
 @dataclass
@@ -49,12 +50,13 @@ class Transformer(nn.Module):
         self.numerics = numerics
         kw = dict(numerics=numerics, device=device, dtype=dtype)
         self.embed = Embedding(cfg.vocab_size, cfg.dim, device=device, dtype=torch.bfloat16)
-        self.layers = nn.ModuleList(Block(cfg, r, **kw) for r in self.roles[:cfg.n_layers])
+        blocks = dict(kw, indexer_budget_bytes=self.runtime.indexer_budget_bytes)
+        self.layers = nn.ModuleList(Block(cfg, r, **blocks) for r in self.roles[:cfg.n_layers])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         self.head = Head(cfg.vocab_size, cfg.dim, numerics=numerics, device=device)
         if cfg.dspark_enabled:
-            # DSpark stages, stored under mtp.* (ARCHITECTURE.md §15); embedding and head are tied
-            self.mtp = nn.ModuleList(DSparkStage(cfg, r, **kw) for r in self.roles[cfg.n_layers:])
+            # DSpark stages, stored under mtp.* (docs/ARCHITECTURE.md §15); embedding and head are tied
+            self.mtp = nn.ModuleList(DSparkStage(cfg, r, **blocks) for r in self.roles[cfg.n_layers:])
         self.hasher = None
         self._engram_pool: ThreadPoolExecutor | None = None             # this model's own, made on first use
         if cfg.engram_layer_ids:
@@ -73,13 +75,19 @@ class Transformer(nn.Module):
     def set_token_map(self, token_map: torch.Tensor) -> None:
         """Attach the tokenizer's compressed token map that feeds the Engram hash (ENGRAM-HASHING §1)."""
         if token_map.shape != (self.cfg.vocab_size,):
-            raise ValueError(f"the compressed token map covers {token_map.shape[0]} token ids; the model's "
-                             f"vocab_size is {self.cfg.vocab_size}")
+            raise CheckpointError(f"the compressed token map covers {token_map.shape[0]} token ids; the model's "
+                                  f"vocab_size is {self.cfg.vocab_size}")
         self.hasher = NgramHasher(self.engram_layout, token_map)
 
     def new_cache(self, n_slots: int, max_seq_len: int | None = None) -> ModelCache:
         """Fresh per-sequence state: a pool of `n_slots` slots of up to `max_seq_len` positions each."""
-        max_seq_len = max_seq_len or self.runtime.max_seq_len
+        max_seq_len = self.runtime.max_seq_len if max_seq_len is None else max_seq_len
+        if not isinstance(n_slots, int) or n_slots < 1:
+            raise InputError(f"new_cache: n_slots must be a positive int, got {n_slots!r}")
+        if not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= self.runtime.max_seq_len:
+            # the rotary tables and the ratio caches are sized for the runtime's context
+            raise InputError(f"new_cache: max_seq_len must be in 1 … {self.runtime.max_seq_len} (the runtime's "
+                             f"max_seq_len), got {max_seq_len!r}")
         history = None
         if self.cfg.engram_layer_ids:
             history = EngramHistory.create(n_slots, max_seq_len, device=self.device)
@@ -101,8 +109,17 @@ class Transformer(nn.Module):
 
         token_types (shaped like ids): −1 text, ≥ 0 image-span positions (bias_vl routing, no Engram).
         """
+        if not isinstance(cache, ModelCache):
+            raise InputError(f"forward needs the cache from model.new_cache(...), got {type(cache).__name__}")
+        if not isinstance(ids, torch.Tensor):
+            raise InputError(f"token ids must be a tensor, got {type(ids).__name__}")
         if isinstance(step, Step):
             return self._forward(ids, step, cache, token_types)
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise InputError(f"forward's step is a Step (model.step(...)) or an int start position, got {step!r}")
+        if ids.dim() != 2:
+            raise InputError(f"token ids with a start position must be [B, T]; got shape {tuple(ids.shape)} "
+                             f"(packed [N] ids need a Step)")
         B, T = ids.shape
         if B != cache.n_slots:
             raise CacheError(f"batch of {B} rows given to a cache of {cache.n_slots} slots (a [B, T] call feeds "
@@ -114,7 +131,7 @@ class Transformer(nn.Module):
 
     def _forward(self, ids: torch.Tensor, step: Step, cache: ModelCache, token_types) -> ModelOutput:
         if ids.shape != (step.n_tokens,):
-            raise ValueError(f"the step covers {step.n_tokens} tokens; ids has shape {tuple(ids.shape)}")
+            raise InputError(f"the step covers {step.n_tokens} tokens; ids has shape {tuple(ids.shape)}")
         cache.begin(step)
         self._check_ids(ids)
         image_mask = None if token_types is None else (token_types >= 0)[None]
@@ -161,7 +178,7 @@ class Transformer(nn.Module):
 
     def _need_dspark(self) -> None:
         if not self.cfg.dspark_enabled:
-            raise RuntimeError("this model has no DSpark stages (n_mtp_layers / dspark_block_size are 0)")
+            raise InputError("this model has no DSpark stages (n_mtp_layers / dspark_block_size are 0)")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [..., V] of the hidden states given (slice the positions you need first)."""
@@ -169,9 +186,9 @@ class Transformer(nn.Module):
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         if ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"token ids must be an integer tensor, got {ids.dtype}")
+            raise InputError(f"token ids must be an integer tensor, got {ids.dtype}")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}), got min {int(ids.min())} "
+            raise InputError(f"token ids must lie in [0, {self.cfg.vocab_size}), got min {int(ids.min())} "
                              f"max {int(ids.max())}")
 
     def _gather_engram_rows(self, ids, step: Step, cache, text_mask) -> list[Future]:
@@ -184,8 +201,8 @@ class Transformer(nn.Module):
         if not self.cfg.engram_layer_ids:
             return []
         if self.hasher is None:
-            raise RuntimeError("this model has Engram layers but no compressed token map: build it with "
-                               "token_map=… or call set_token_map (ENGRAM-HASHING.md §1)")
+            raise InputError("this model has Engram layers but no compressed token map: build it with "
+                             "token_map=… or call set_token_map (docs/ENGRAM-HASHING.md §1)")
         mask = None if text_mask is None else text_mask[0]
         hash_ids = self.hasher.hash_step(ids, step, cache.engram_history, mask)[None]   # [1, N, E, Nc]
         engrams = {b.role.engram_index: b.engram for b in self.layers if b.engram is not None}

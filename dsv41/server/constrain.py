@@ -7,7 +7,7 @@ module only writes them and applies the token mask each step (the engine calls `
 sampling and `advance` after, `dsv41/engine/request.py`):
 - `response_format` json_object / json_schema: the content is one JSON value of the schema, written
   compactly (no free whitespace: a random model would otherwise pad forever);
-- `tool_choice` required / a named function: a DSML calls block (TOKENIZER-AND-CHAT.md §4.3) of one or
+- `tool_choice` required / a named function: a DSML calls block (docs/TOKENIZER-AND-CHAT.md §4.3) of one or
   more invokes of the allowed tools, each with its required parameters, in schema order, string
   parameters as raw text (string="true") and every other one as JSON valid against its schema
   (string="false"). In chat mode the prompt already ends with the block's opener; in thinking mode the
@@ -44,6 +44,7 @@ import llguidance
 import torch
 
 from ..chat.encoding import DSML, THINK_END, render_tool_calls
+from ..errors import UserError
 from ..tokenizer import Tokenizer
 
 # The closing preference starts when the tokens left fall to the shortest answer's length plus this.
@@ -61,7 +62,7 @@ FREE_TEXT_SHARE = 0.25
 COMPACT = {"whitespace_flexible": False}
 
 
-class ConstraintError(ValueError):
+class ConstraintError(UserError):
     """A schema or tool definition llguidance cannot compile, or a max_tokens too small for the answer;
     the message says which, `param` names the request field."""
 

@@ -1,4 +1,4 @@
-"""What a request means: its messages, tools and options as a V4.1 prompt (TOKENIZER-AND-CHAT.md §4).
+"""What a request means: its messages, tools and options as a V4.1 prompt (docs/TOKENIZER-AND-CHAT.md §4).
 
 `deepseek-recipe`, DeepSeek's request library, is the reference for the mapping (tests compare the
 rendered prompts); dsv41 renders with its own encoder (`dsv41.chat`). The rules:
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..chat.encoding import CALLS_OPEN, CALLS_SEPARATOR, encode_messages
+from ..errors import UserError
 from .schemas import ChatCompletionRequest, ChatMessage, MessagesRequest
 
 EFFORT = {"low": 50, "medium": 75, "high": 75, "xhigh": 75, "max": 100}
@@ -32,7 +33,7 @@ DEFAULT_EFFORT = 75
 CALLS_PREFIX = CALLS_SEPARATOR + CALLS_OPEN + "\n"
 
 
-class RequestError(ValueError):
+class RequestError(UserError):
     """A request the API refuses: the message, and the field it names."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400):

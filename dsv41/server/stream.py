@@ -1,7 +1,7 @@
 """Streaming completion parser: the model's text, in pieces, -> OpenAI-style deltas.
 
 The engine hands over the completion as token texts; `CompletionStream` turns them into reasoning,
-content and tool-call deltas as soon as they are certain (TOKENIZER-AND-CHAT.md §8, the [dsv41]
+content and tool-call deltas as soon as they are certain (docs/TOKENIZER-AND-CHAT.md §8, the [dsv41]
 note). On complete, well-formed text (what `parse_completion(strict=True)` accepts) the deltas
 add up to `parse_completion` exactly, `arguments` strings included. Elsewhere it departs from that
 lenient parser, which hands broken markup back as content: here BOS, EOS, `<think>`, `</think>`

@@ -1,5 +1,5 @@
-"""Engram: compressed token map, n-gram hashing, fp8 tables and the gated module (ENGRAM-HASHING.md,
-ARCHITECTURE.md §9)."""
+"""Engram: compressed token map, n-gram hashing, fp8 tables and the gated module (docs/ENGRAM-HASHING.md,
+docs/ARCHITECTURE.md §9)."""
 
 from .hashing import (
     DEAD,

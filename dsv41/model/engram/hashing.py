@@ -3,8 +3,8 @@
 Shapes: B batch, T positions in the call, E Engram layers, K look-backs (= max n-gram size),
 N hash columns per layer ((max_ngram - 1) · heads, column c = (n - 2) · heads + h), P history length.
 
-Everything here follows ENGRAM-HASHING.md §2-§4. All id arithmetic is int64: products reach ~9.2e18
-and table row ids ~3.8e8 (ARCHITECTURE.md §17 traps 21 and 24).
+Everything here follows docs/ENGRAM-HASHING.md §2-§4. All id arithmetic is int64: products reach ~9.2e18
+and table row ids ~3.8e8 (docs/ARCHITECTURE.md §17 traps 21 and 24).
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+
+from ...config import ConfigError
+from ..step import CacheError
 
 DEAD = -1  # history marker of an image-span position (§4)
 INT64_MAX = (1 << 63) - 1
@@ -100,13 +103,14 @@ class EngramLayout:
     def from_config(cls, cfg) -> "EngramLayout":
         layer_ids = tuple(cfg.engram_layer_ids)
         if not layer_ids:
-            raise ValueError("the config has no Engram layers (engram_layer_ids is empty)")
+            raise ConfigError("the config has no Engram layers (engram_layer_ids is empty)")
         K, heads, V = cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_compressed_vocab_size
         primes = _search_primes(len(layer_ids), K - 1, heads, cfg.engram_vocab_size)
         rows = tuple(sum(p) for p in primes)
         if rows != tuple(cfg.engram_num_embeddings):
-            raise ValueError(f"Engram prime layout gives table rows {list(rows)} but the config's "
-                             f"engram_num_embeddings is {list(cfg.engram_num_embeddings)} (ENGRAM-HASHING.md §2)")
+            raise ConfigError(f"Engram prime layout gives table rows {list(rows)} but the config's "
+                              f"engram_num_embeddings is {list(cfg.engram_num_embeddings)} "
+                              "(docs/ENGRAM-HASHING.md §2)")
         offsets = tuple(tuple(int(o) for o in np.cumsum((0,) + p[:-1], dtype=np.int64)) for p in primes)
         mults = tuple(multipliers_for(layer, V, K) for layer in layer_ids)
         _check_no_overflow(V, mults)
@@ -144,7 +148,8 @@ def _check_no_overflow(compressed_vocab_size: int, multipliers) -> None:
     # §3: the largest id times the largest multiplier must stay below 2^63.
     worst = (compressed_vocab_size - 1) * max(max(m) for m in multipliers)
     if worst > INT64_MAX:
-        raise ValueError(f"Engram hash products reach {worst}, beyond int64 (compressed vocab {compressed_vocab_size})")
+        raise ConfigError(f"Engram hash products reach {worst}, beyond int64 "
+                          f"(compressed vocab {compressed_vocab_size})")
 
 
 # ---------------------------------------------------------------- per-sequence state ------------
@@ -154,7 +159,7 @@ def _check_no_overflow(compressed_vocab_size: int, multipliers) -> None:
 class EngramHistory:
     """Compressed id of every absolute position of each sequence, DEAD for image positions (§4).
 
-    Owned by the engine's per-sequence cache (ARCHITECTURE.md §12); never needs resetting between
+    Owned by the engine's per-sequence cache (docs/ARCHITECTURE.md §12); never needs resetting between
     prompts or rolling back after rejected drafts, because position p only reads H[p-3..p] and those
     are written before they are read.
     """
@@ -238,9 +243,9 @@ def hash_tokens(layout: EngramLayout, compressed: torch.Tensor, slots: torch.Ten
 
 def _check_call(history: EngramHistory, B: int, start_pos: int, T: int) -> None:
     if B > history.batch:
-        raise ValueError(f"Engram hash called with batch {B} but the history has {history.batch} rows")
+        raise CacheError(f"Engram hash called with batch {B} but the history has {history.batch} rows")
     if start_pos < 0 or start_pos + T > history.max_seq_len:
-        raise ValueError(f"Engram hash positions {start_pos}..{start_pos + T - 1} exceed the history length "
+        raise CacheError(f"Engram hash positions {start_pos}..{start_pos + T - 1} exceed the history length "
                          f"{history.max_seq_len}")
 
 
@@ -251,11 +256,11 @@ class NgramHasher(nn.Module):
     def __init__(self, layout: EngramLayout, token_map: torch.Tensor):
         super().__init__()
         if token_map.ndim != 1:
-            raise ValueError(f"token map must be 1-D, got shape {tuple(token_map.shape)}")
+            raise ConfigError(f"token map must be 1-D, got shape {tuple(token_map.shape)}")
         size = int(token_map.max()) + 1 if token_map.numel() else 0
         if size != layout.compressed_vocab_size:
-            raise ValueError(f"token map has {size} compressed ids; engram_compressed_vocab_size is "
-                             f"{layout.compressed_vocab_size}")
+            raise ConfigError(f"token map has {size} compressed ids; engram_compressed_vocab_size is "
+                              f"{layout.compressed_vocab_size}")
         self.layout = layout
         self.pad = int(token_map[layout.pad_id])  # §4: pad = map[engram_pad_id]
         primes, offsets, mults = layout.tensors()
@@ -277,7 +282,7 @@ class NgramHasher(nn.Module):
                   text_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The packed tokens [N] of a Step (each row in its own slot, at its own positions) → [N, E, Nc]."""
         if step.n_rows > 0 and max(step.ends) > history.max_seq_len:
-            raise ValueError(f"Engram hash positions up to {max(step.ends) - 1} exceed the history length "
+            raise CacheError(f"Engram hash positions up to {max(step.ends) - 1} exceed the history length "
                              f"{history.max_seq_len}")
         compressed = self.token_map[token_ids.to(self.token_map.device)]
         device = history.ids.device

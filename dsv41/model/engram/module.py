@@ -1,4 +1,4 @@
-"""Engram: adds a gated n-gram memory read to the hyper-connection streams (ARCHITECTURE.md §9).
+"""Engram: adds a gated n-gram memory read to the hyper-connection streams (docs/ARCHITECTURE.md §9).
 
 Shapes: B batch, T positions, S streams (hc_mult), D dim, N hash columns, De row width
 (engram_head_dim). Hash ids for this layer are int64 [B, T, N]; gathered rows are bf16 [B, T, N·De],

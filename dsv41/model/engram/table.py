@@ -2,7 +2,7 @@
 
 Shapes: R table rows, De row width (engram_head_dim), N hash columns, `...` any leading shape.
 
-A released table is ~94.6 GiB (CHECKPOINT.md §7), more than most hosts' RAM. It is mapped read-only
+A released table is ~94.6 GiB (docs/CHECKPOINT.md §7), more than most hosts' RAM. It is mapped read-only
 and SHARED (a private copy-on-write mapping of a file larger than RAM is refused by Linux) and only
 the rows a lookup touches are ever read from disk. The table may live on another device than the
 model (host memory, a mapped file); `lookup` gathers where the table is and ships the still-fp8 rows
@@ -16,9 +16,10 @@ import os
 import torch
 from torch import nn
 
+from ...errors import CheckpointError
 from .. import formats
 
-SCALE_BLOCK = formats.ENGRAM_BLOCK  # one ue8m0 scale per 32 values of a row (ARCHITECTURE.md §6.2)
+SCALE_BLOCK = formats.ENGRAM_BLOCK  # one ue8m0 scale per 32 values of a row (docs/ARCHITECTURE.md §6.2)
 
 
 def map_safetensors_tensor(path: str | os.PathLike, name: str, *, random_access: bool = False) -> torch.Tensor:
@@ -36,7 +37,7 @@ def map_safetensors_tensor(path: str | os.PathLike, name: str, *, random_access:
 
 class EngramTable(nn.Module):
     """`weight` e4m3 [R, De] and `scale` ue8m0 [R, De/32]: value(r, i) = weight[r, i] · scale[r, i // 32]
-    (CHECKPOINT.md §2). Registered as `embed`, the names are the checkpoint's
+    (docs/CHECKPOINT.md §2). Registered as `embed`, the names are the checkpoint's
     `layers.L.engram.embed.weight` / `.scale`.
 
     `movable=False` pins the table where it is: `model.to(...)` then leaves it alone, so a mapped
@@ -61,7 +62,7 @@ class EngramTable(nn.Module):
         for name, t in (("weight", weight), ("scale", scale)):
             shape, dtype = want[name]
             if tuple(t.shape) != shape or t.dtype != dtype:
-                raise ValueError(f"Engram table {name}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}")
+                raise CheckpointError(f"Engram table {name}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}")
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.scale = nn.Parameter(scale, requires_grad=False)
         self.movable, self.read_only = movable, read_only
@@ -71,7 +72,7 @@ class EngramTable(nn.Module):
         weight = map_safetensors_tensor(path, weight_name, random_access=True)
         scale = map_safetensors_tensor(path, scale_name, random_access=True)
         if weight.ndim != 2:
-            raise ValueError(f"{path}: {weight_name} must be 2-D, got shape {tuple(weight.shape)}")
+            raise CheckpointError(f"{path}: {weight_name} must be 2-D, got shape {tuple(weight.shape)}")
         table = cls(weight.shape[0], weight.shape[1], device="meta")
         table.attach(weight, scale, movable=False, read_only=True)
         return table
@@ -96,7 +97,7 @@ class EngramTable(nn.Module):
         """ids int64 [..., N] -> bf16 [..., N, De] on `device` (default: the ids' device).
 
         Only the requested rows are read; dequantisation is an fp32 multiply then one bf16 rounding
-        (ARCHITECTURE.md §9 step 1), done on the destination device."""
+        (docs/ARCHITECTURE.md §9 step 1), done on the destination device."""
         out_device = torch.device(device) if device is not None else ids.device
         flat = ids.reshape(-1).to(self.weight.device)
         # Gather as raw bytes: plain byte copies, on whatever device holds the table.

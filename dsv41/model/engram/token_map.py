@@ -1,4 +1,4 @@
-"""Compressed token map of the Engram hash (ENGRAM-HASHING.md §1).
+"""Compressed token map of the Engram hash (docs/ENGRAM-HASHING.md §1).
 
 Every token id maps to a compressed id; tokens whose decoded text normalises to the same key share
 one. Ids are handed out in first-appearance order over t = 0, 1, 2, ... Building the released map
@@ -18,6 +18,8 @@ import numpy as np
 import tokenizers
 import torch
 from tokenizers import Regex, Tokenizer, normalizers
+
+from ...errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +125,15 @@ def load_or_build_token_map(tokenizer_json_path: str | os.PathLike, expected_siz
     token_map = _read_cache(cached, stamp)
     fresh = token_map is None
     if fresh:
-        token_map = build_token_map(Tokenizer.from_file(str(path)))
+        try:
+            backend = Tokenizer.from_file(str(path))
+        except Exception as e:                       # the Rust side raises plain Exceptions
+            raise CheckpointError(f"{path}: not a readable tokenizers file ({e})") from None
+        token_map = build_token_map(backend)
     size = map_size(token_map)
     if size != expected_size:
-        raise ValueError(f"Engram compressed token map of {path} has {size} distinct keys; the config's "
-                         f"engram_compressed_vocab_size is {expected_size} (ENGRAM-HASHING.md §1)")
+        raise CheckpointError(f"Engram compressed token map of {path} has {size} distinct keys; the config's "
+                              f"engram_compressed_vocab_size is {expected_size} (docs/ENGRAM-HASHING.md §1)")
     if fresh:
         _write_cache(cached, stamp, token_map)
     return token_map
