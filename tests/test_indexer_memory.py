@@ -275,7 +275,7 @@ def plan_by_search(T, C, Hi, Di, budget, e, invariant) -> IndexerTiling:
                   if max(tensors(rows, c)[1:3]) <= budget]
         columns = min(C, max(widths + [least]))
     largest = max(tensors(rows, columns))
-    tile = ((12 + e) if invariant else 3 * e) * rows * Hi * columns   # logits and what they become
+    tile = ((12 + 2 * e) if invariant else 3 * e) * rows * Hi * columns   # logits and what they become
     tile += 8 * Di * columns * invariant + 8 * Hi * Di * rows * invariant   # float64 operands
     tile += e * rows * columns                                         # the tile's head sum
     tile += e * rows * C * (columns < C)                               # the chunk's score buffer
@@ -382,3 +382,22 @@ def test_attention_passes_its_budget_to_the_indexer():
     attn = Attention(cfg, role, numerics=model.numerics, dtype=torch.float32, indexer_budget_bytes=12345)
     assert attn.indexer.budget_bytes == 12345
     assert model.layers[4].attn.indexer.budget_bytes == DEFAULT_BUDGET_BYTES
+
+
+@pytest.mark.parametrize("n_heads", [32, 64])
+def test_invariant_scores_of_a_position_do_not_depend_on_how_many_positions_follow(n_heads, monkeypatch):
+    """docs/NUMERICS.md N8: fast numerics with invariant kernels score a column with the same bits whether
+    the call holds C positions (a decode step) or C + k (a verify call), at the released head counts.
+    Mutation: torch's strided sum over heads moves bits with C, and the test sees it."""
+    idx, (x, qr, keys, positions, _, rotary), _ = long_indexer("fast", "invariant", n_heads)
+    idx.budget_bytes = 1 << 40
+    visible = torch.full((positions.numel(),), 5000)                   # every column scored, none masked
+
+    def differing():
+        full = idx.scores(x, qr, keys[:, :4301], positions, visible, rotary)
+        return sum(int((idx.scores(x, qr, keys[:, :c], positions, visible, rotary) != full[..., :c]).sum())
+                   for c in (4001, 4002, 4007, 4100, 4300))
+
+    assert differing() == 0
+    monkeypatch.setattr(Numerics, "head_sum", lambda self, t, dim: t.sum(dim=dim))
+    assert differing() > 0

@@ -115,7 +115,7 @@ def indexer_tiling(n_queries: int, n_compressed: int, n_heads: int, head_dim: in
     # alive at once while a tile is scored: its logits with their fp32 and dtype roundings (invariant)
     # or logits, ReLU and weighted product (BLAS), the float64 operands, the tile's head sum, and the
     # chunk's score buffer when tiled; the row phase: ROW_LIVE_BYTES per element of [t, C]
-    per_logit = 12 + e if invariant else 3 * e
+    per_logit = 12 + 2 * e if invariant else 3 * e     # invariant: + the heads-innermost copy (N8)
     tile_live = per_logit * rows * Hi * columns + keys64 * columns + q64 * rows + e * rows * columns
     if columns < C:
         tile_live += e * rows * C
@@ -202,7 +202,7 @@ class Indexer(nn.Module):
         score = None
         for start, end in tiles:
             logits = self.numerics.einsum("bthd,bcd->bthc", q, keys[:, start:end])          # [B, T, Hi, c]
-            part = (logits.relu() * weights.unsqueeze(-1)).sum(dim=2)                      # [B, T, c]
+            part = self.numerics.head_sum(logits.relu() * weights.unsqueeze(-1), 2)          # [B, T, c]
             del logits                                  # before the next tile's: one tile alive at a time
             if len(tiles) == 1:
                 score = part

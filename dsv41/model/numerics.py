@@ -112,6 +112,13 @@ class Numerics:
     def _elementwise(self, fn, x: torch.Tensor) -> torch.Tensor:
         return fn(x.double()).to(x.dtype) if self.invariant else fn(x)
 
+    def head_sum(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Σ over `dim`. Invariant kernels sum fp32 over a contiguous copy with `dim` innermost, so an
+        output's bits do not depend on the sizes of the other dims (docs/NUMERICS.md N8)."""
+        if self.invariant and x.dtype == torch.float32:
+            return x.movedim(dim, -1).contiguous().sum(-1)
+        return x.sum(dim=dim)
+
     # ------------------------------------------------------------------------------ products
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ weight [N, K]ᵀ in x's dtype (fp32 or bf16 operands of one dtype)."""
