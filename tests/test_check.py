@@ -15,12 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 import dsv41
 import helpers
 from dsv41 import cli
-from dsv41.checkpoint.check import check_directory, render
 from dsv41.checkpoint.inventory import released_inventory
 from dsv41.checkpoint.plan import (PlanError, cache_bytes, check_context, check_fits, context_limit, fmt_bytes,
                                    meta_model, plan_load)
