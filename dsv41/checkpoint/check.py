@@ -75,14 +75,14 @@ def check_directory(path: str | Path, *, context: int = 4096, batch: int = 1) ->
 
 
 def _check_tokenizer(report: CheckReport, path: Path, cfg: ModelConfig) -> None:
-    from .model_io import _token_map, check_tokenizer
+    from .model_io import check_tokenizer, token_map_of
     if not (path / "tokenizer.json").is_file():
         report.problems.append(f"{path} has no tokenizer.json (the prompt encoder and the Engram hash need it)")
         return
     size = _try(report, check_tokenizer, path, cfg)
     if size is not None:
         report.facts.append(f"tokenizer: {size:,} tokens (vocab_size {cfg.vocab_size:,})")
-    if cfg.engram_layer_ids and _try(report, _token_map, path, cfg) is not None:
+    if cfg.engram_layer_ids and _try(report, token_map_of, path, cfg) is not None:
         report.facts.append(f"Engram token map: {cfg.engram_compressed_vocab_size:,} keys, as the config says")
 
 

@@ -16,6 +16,7 @@ no suffix. Which Linears follow `dtype` and which `expert_dtype` is decided in t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 from ..config import ModelConfig
@@ -206,6 +207,30 @@ def _dspark_stage(cfg: ModelConfig, stage: int, role: LayerRole) -> Iterator[Ten
 
 
 # ---------------------------------------------------------------------------------------- public
+# ---------------------------------------------------------------------------------------- module names
+# Modules hold routed experts stacked: the stored `…ffn.experts.{e}.w1.weight` is row e of the module's
+# `…ffn.experts.w1.weight`. Every other module tensor has its stored name.
+EXPERT_STACK = re.compile(r"^(?P<prefix>.+\.ffn\.experts)\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
+PER_EXPERT = re.compile(r"^(?P<prefix>.+\.ffn\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
+
+
+def is_expert_stack(module_name: str) -> bool:
+    return EXPERT_STACK.match(module_name) is not None
+
+
+def stored_names(module_name: str, n_experts: int, first_expert: int = 0) -> list[str]:
+    """Checkpoint names that make up one module tensor (one, or one per expert for stacked experts)."""
+    m = EXPERT_STACK.match(module_name)
+    if not m:
+        return [module_name]
+    return [f"{m['prefix']}.{first_expert + e}.{m['proj']}.{m['kind']}" for e in range(n_experts)]
+
+
+def module_name_of(stored_name: str) -> str:
+    m = PER_EXPERT.match(stored_name)
+    return f"{m['prefix']}.{m['proj']}.{m['kind']}" if m else stored_name
+
+
 def released_inventory(cfg: ModelConfig) -> dict[str, TensorSpec]:
     roles = derive_roles(cfg)
     families = [_globals(cfg)]

@@ -14,7 +14,6 @@ the layout names.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from dataclasses import replace
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from torch import nn
 
 from ..model import formats
 from ..config import ModelConfig, RuntimeConfig
-from .inventory import released_inventory
+from .inventory import PER_EXPERT, is_expert_stack, module_name_of, released_inventory, stored_names
 from .progress import byte_progress
 from ..errors import CheckpointError
 from .plan import check_context, check_fits, plan_load
@@ -33,8 +32,6 @@ from .safetensors_io import CheckpointDir
 from .spec import TensorSpec, torch_dtype
 from .writer import DEFAULT_MAX_SHARD_BYTES, save_checkpoint
 
-_STACKED = re.compile(r"^(?P<prefix>.+\.ffn\.experts)\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
-_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.ffn\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
 
 # Families of the release a text model does not hold (loaded when those parts exist; docs/CHECKPOINT.md §3).
 VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
@@ -83,19 +80,6 @@ def to_stored_format(value: torch.Tensor, weight: TensorSpec, scale: TensorSpec 
 # -------------------------------------------------------------------------------------- name mapping
 def _module_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.state_dict(keep_vars=True))
-
-
-def stored_names(module_name: str, n_experts: int, first_expert: int = 0) -> list[str]:
-    """Checkpoint names that make up one module tensor (one, or one per expert for stacked experts)."""
-    m = _STACKED.match(module_name)
-    if not m:
-        return [module_name]
-    return [f"{m['prefix']}.{first_expert + e}.{m['proj']}.{m['kind']}" for e in range(n_experts)]
-
-
-def module_name_of(stored_name: str) -> str:
-    m = _PER_EXPERT.match(stored_name)
-    return f"{m['prefix']}.{m['proj']}.{m['kind']}" if m else stored_name
 
 
 def skipped_family(name: str, model: nn.Module) -> bool:
@@ -153,7 +137,7 @@ def _plan(tensors: dict[str, torch.Tensor], ckpt: CheckpointDir):
     for name, target in tensors.items():
         if _is_scale_of_quantized(name, tensors):
             continue
-        stacked = _STACKED.match(name) is not None
+        stacked = is_expert_stack(name)
         n_stack = target.shape[0] if stacked else 1
         sources = stored_names(name, n_stack)
         scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
@@ -216,7 +200,7 @@ def _load_one(model, tensors, name, sources, scales, ckpt, device, engram_on_dis
         table.attach(ckpt.tensor(sources[0], random_access=True), ckpt.tensor(scales[0], random_access=True),
                      movable=False, read_only=True)
         return
-    stacked = _STACKED.match(name) is not None
+    stacked = is_expert_stack(name)
     weight = _read(ckpt, sources, stacked)
     scale = _read(ckpt, scales, stacked) if scales else None
     if scale is not None and target.dtype == weight.dtype:
@@ -285,7 +269,7 @@ def load_model(path: str | Path, runtime: RuntimeConfig | None = None, *, device
     ckpt.validate_against(released_inventory(cfg))
     check_context(cfg, runtime.max_seq_len)
     check_tokenizer(path, cfg)
-    token_map = _token_map(path, cfg)
+    token_map = token_map_of(path, cfg)
     model = Transformer(cfg, runtime, device="meta")
     plan = plan_load(cfg, replace(runtime, device=str(device)), engram_on_disk=engram_on_disk, model=model)
     if on_plan is not None:
@@ -315,7 +299,8 @@ def check_tokenizer(path: Path, cfg: ModelConfig) -> int | None:
     return size
 
 
-def _token_map(path: Path, cfg: ModelConfig):
+def token_map_of(path: Path, cfg: ModelConfig):
+    """The Engram token map of the directory's tokenizer.json (None without Engram layers)."""
     if not cfg.engram_layer_ids:
         return None
     tokenizer = path / "tokenizer.json"
@@ -337,7 +322,7 @@ def stored_tensors(model: nn.Module, cfg: ModelConfig) -> Iterator[tuple[str, to
         module_name = module_name_of(stored)
         if module_name not in tensors:
             raise CheckpointError(f"the model has no tensor for {stored} (expected {module_name})")
-        expert = _PER_EXPERT.match(stored)
+        expert = PER_EXPERT.match(stored)
         pick = (lambda t: t[int(expert["expert"])]) if expert else (lambda t: t)
         value = pick(tensors[module_name].detach())
         scale_spec = inventory.get(stored[:-6] + "scale") if stored.endswith(".weight") else None

@@ -16,7 +16,6 @@ fast BLAS kernels, the experts' gathered weights.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -24,15 +23,13 @@ import torch
 
 from ..config import ModelConfig, RuntimeConfig
 from ..errors import UserError
-from .inventory import released_inventory
+from .inventory import is_expert_stack, released_inventory, stored_names
 from .sharding import ENGRAM_ROWS, SPLIT, allowed_world_sizes, check_world_size, engram_rows_per_rank, shard_rule
 
 GiB = 2 ** 30
 PREFILL_CHUNK = 512
 """Tokens of one prefill chunk the plan sizes its transient for (the engine's default chunk)."""
 
-_STACKED = re.compile(r"\.ffn\.experts\.w[123]\.(weight|scale)$")
-_ENGRAM_TABLE = re.compile(r"\.engram\.embed\.(weight|scale)$")
 
 
 class PlanError(UserError):
@@ -43,7 +40,7 @@ def component_of(name: str) -> str:
     """The label a module tensor is counted under (the families of docs/CHECKPOINT.md §4)."""
     if name.startswith("mtp."):
         return "DSpark stages"
-    if _ENGRAM_TABLE.search(name):
+    if shard_rule(name).kind == ENGRAM_ROWS:
         return "Engram tables"
     if ".ffn.experts." in name:
         return "routed experts"
@@ -58,7 +55,7 @@ def _rank_bytes(name: str, tensor: torch.Tensor, world_size: int) -> int:
     """Bytes of module tensor `name` one rank holds at `world_size` (every rank holds as many)."""
     if world_size == 1:
         return tensor.nbytes
-    if _STACKED.search(name):                      # a stack of routed experts: the rank's range of them
+    if is_expert_stack(name):                      # a stack of routed experts: the rank's range of them
         return tensor.nbytes // world_size
     rule = shard_rule(name)
     if rule.kind == ENGRAM_ROWS:
@@ -69,12 +66,7 @@ def _rank_bytes(name: str, tensor: torch.Tensor, world_size: int) -> int:
 
 def _stored_bytes(name: str, inventory: dict, n_stack: int) -> int:
     """Bytes the checkpoint stores for one module tensor (a stack of experts: all of them)."""
-    m = re.match(r"^(.+\.ffn\.experts)\.(w[123])\.(weight|scale)$", name)
-    if not m:
-        spec = inventory.get(name)
-        return spec.nbytes if spec is not None else 0
-    return sum(inventory[f"{m[1]}.{e}.{m[2]}.{m[3]}"].nbytes for e in range(n_stack)
-               if f"{m[1]}.{e}.{m[2]}.{m[3]}" in inventory)
+    return sum(inventory[s].nbytes for s in stored_names(name, n_stack) if s in inventory)
 
 
 @dataclass(frozen=True)
