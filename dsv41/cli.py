@@ -69,7 +69,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="activation dtype; float32 needs --numerics fast (default: bfloat16)")
     g.add_argument("--engram-on-disk", action="store_true",
                    help="keep the Engram tables memory-mapped: only looked-up rows are ever read")
-    g.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT, metavar="N",
+    g.add_argument("--max-context", type=count, default=DEFAULT_MAX_CONTEXT, metavar="N",
                    help=f"positions the cache holds, prompt plus completion (default: {DEFAULT_MAX_CONTEXT})")
     g.add_argument("--show-plan", action="store_true",
                    help="print the load plan (bytes per device by component) before loading")
@@ -92,12 +92,24 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
                    help=f"sampling seed, 0 … 2^63 − 1 (default: {DEFAULT_SEED})")
 
 
-def seed_value(text: str) -> int:
-    """argparse type of --seed: an integer a torch.Generator takes."""
+def _integer(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def count(text: str) -> int:
+    """argparse type of a size (--max-context, --max-batch, --max-queue): an integer of at least 1."""
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
+def seed_value(text: str) -> int:
+    """argparse type of --seed: an integer a torch.Generator takes."""
+    value = _integer(text)
     if not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
         raise argparse.ArgumentTypeError(f"{value} is outside 0 … 2^63 − 1")
     return value
@@ -176,9 +188,9 @@ def _serve_parser(sub) -> None:
     g.add_argument("--served-model-name", metavar="NAME",
                    help="the model name requests must give (default: the checkpoint directory's name, "
                         "dsv41-demo for the demo)")
-    g.add_argument("--max-batch", type=int, default=8, metavar="N",
+    g.add_argument("--max-batch", type=count, default=8, metavar="N",
                    help="requests decoded together: cache slots (default: 8)")
-    g.add_argument("--max-queue", type=int, default=64, metavar="N",
+    g.add_argument("--max-queue", type=count, default=64, metavar="N",
                    help="requests waiting for a slot before new ones get 429 (default: 64)")
     g.add_argument("--speculative", action="store_true",
                    help="DSpark speculative decoding for every request (lossless; needs DSpark stages)")
@@ -201,9 +213,9 @@ def _check_parser(sub) -> None:
                                    "config) and print the bytes per rank for world sizes 1, 2, 4 and 8 in both "
                                    "numerics. Reads no tensor data. Exit status 2 when anything is wrong.")
     p.add_argument("directory", metavar="DIR")
-    p.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT, metavar="N",
+    p.add_argument("--max-context", type=count, default=DEFAULT_MAX_CONTEXT, metavar="N",
                    help=f"context the plans are made for (default: {DEFAULT_MAX_CONTEXT})")
-    p.add_argument("--max-batch", type=int, default=1, metavar="N", help="sequences the plans hold (default: 1)")
+    p.add_argument("--max-batch", type=count, default=1, metavar="N", help="sequences the plans hold (default: 1)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -273,6 +285,11 @@ def load_model(path: Path, args, batch_size: int):
     show = (lambda plan: _note("\n".join(plan.lines()))) if args.show_plan else None
     return load(path, runtime, device=device, engram_on_disk=args.engram_on_disk,
                 check_memory=not args.skip_memory_check, on_plan=show)
+
+
+def _check_speculative(args, model) -> None:
+    if args.speculative and not model.cfg.dspark_enabled:
+        raise CliError("--speculative needs a checkpoint with DSpark stages (n_mtp_layers > 0)")
 
 
 def generation_config(args, stop_strings=(), stop_ids=()):
@@ -405,8 +422,7 @@ def cmd_generate(args) -> int:
     config = generation_config(args, args.stop, args.stop_id)
     check_prompts(prompts, args.max_context, tokenizer.vocab_size)     # before the (slow) load
     model = load_model(path, args, len(prompts))
-    if args.speculative and not model.cfg.dspark_enabled:
-        raise CliError("--speculative needs a checkpoint with DSpark stages (n_mtp_layers > 0)")
+    _check_speculative(args, model)
     single = len(prompts) == 1
     completions = generate_all(model, tokenizer, prompts, config, echo_to(sys.stdout) if single else None)
     if single:
@@ -515,9 +531,6 @@ def cmd_serve(args) -> int:
 
     from .server.app import ServerConfig, ServerState, create_app
 
-    for name in ("max_batch", "max_queue", "max_context"):
-        if getattr(args, name) < 1:
-            raise CliError(f"--{name.replace('_', '-')} must be at least 1")
     path = checkpoint_dir(args)
     name = args.served_model_name or ("dsv41-demo" if args.checkpoint is None else path.resolve().name)
     config = ServerConfig(model_name=name, api_key=args.api_key, max_batch=args.max_batch,
@@ -528,8 +541,7 @@ def cmd_serve(args) -> int:
     def load_all():
         tokenizer = Tokenizer.from_dir(path)
         model = load_model(path, args, args.max_batch)
-        if args.speculative and not model.cfg.dspark_enabled:
-            raise CliError("--speculative needs a checkpoint with DSpark stages (n_mtp_layers > 0)")
+        _check_speculative(args, model)
         return model, tokenizer
 
     app = create_app(ServerState(config, load_all))
@@ -545,9 +557,6 @@ def cmd_serve(args) -> int:
 def cmd_check(args) -> int:
     from .checkpoint.check import check_directory, render
 
-    for name in ("max_batch", "max_context"):
-        if getattr(args, name) < 1:
-            raise CliError(f"--{name.replace('_', '-')} must be at least 1")
     report = check_directory(Path(args.directory), context=args.max_context, batch=args.max_batch)
     sys.stdout.write(render(report))
     return 0 if report.ok else EXIT_USAGE

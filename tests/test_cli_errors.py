@@ -84,6 +84,9 @@ def test_invalid_utf8_in_a_file(demo_env, capsys, tmp_path):
     (["generate", "hi", "--effort", "high"], "--effort sets the reasoning effort of thinking mode; add --thinking"),
     (["generate", "hi", "--stop-id", "999999"], "--stop-id 999999 is not a token id"),
     (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens must be at least 1, got 0"),
+    (["generate", "hi", "--max-context", "0"], "--max-context: 0 is not at least 1"),
+    (["serve", "--max-batch", "-3"], "--max-batch: -3 is not at least 1"),
+    (["check", ".", "--max-context", "x"], "--max-context: 'x' is not an integer"),
 ])
 def test_each_bad_argument_is_one_line(demo_env, capsys, argv, fragment):
     fails(argv, capsys, fragment)
