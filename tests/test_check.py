@@ -275,3 +275,15 @@ def test_inspect_never_calls_a_broken_directory_fine(demo_dir, tmp_path, capsys)
     assert cli.main(["inspect", str(copy)]) == 2
     err = capsys.readouterr().err
     assert "is not a usable checkpoint" in err and "head.weight" in err
+
+
+def test_show_plan_prints_it_and_skip_memory_check_loads_anyway(demo_dir, capsys, monkeypatch):
+    monkeypatch.setenv("DSV41_CACHE", str(demo_dir.parent))
+    argv = ["generate", "hi", "--max-new-tokens", "1", "--numerics", "fast", "--show-plan"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "load plan: fast numerics, world size 1, context 4,096" in err and "needed at the peak" in err
+    monkeypatch.setenv("DSV41_MEMORY_LIMIT", str(2 ** 20))
+    assert cli.main(argv) == 2
+    assert "is available (DSV41_MEMORY_LIMIT)" in capsys.readouterr().err
+    assert cli.main(argv + ["--skip-memory-check"]) == 0
