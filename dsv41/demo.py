@@ -19,9 +19,12 @@ from pathlib import Path
 
 from .chat import encoding
 
-DEMO_NAME = "demo-v2"
+DEMO_NAME = "demo-v3"
 DEMO_SEED = 20261129
 DEMO_VOCAB = 1024
+# The vocabulary is filled up to a multiple of this with reserved placeholder tokens, as DeepSeek's
+# tokenizers are, so that it cuts into 1, 2, 4 or 8 tensor-parallel parts (docs/CHECKPOINT.md §5).
+VOCAB_MULTIPLE = 64
 # Prompt-format special tokens (docs/TOKENIZER-AND-CHAT.md §1.1); BOS, EOS and pad take ids 0, 1, 2 as released.
 SPECIAL_TOKENS = [
     encoding.BOS, encoding.EOS, "<｜▁pad▁｜>", encoding.SYSTEM, encoding.USER, encoding.ASSISTANT,
@@ -56,10 +59,10 @@ def demo_config_dict(vocab_size: int, compressed_vocab_size: int) -> dict:
     from .model.engram.hashing import table_rows
 
     base = dict(
-        vocab_size=vocab_size, dim=128, moe_inter_dim=64, n_layers=8, n_mtp_layers=2, n_heads=4,
+        vocab_size=vocab_size, dim=128, moe_inter_dim=64, n_layers=8, n_mtp_layers=2, n_heads=8,
         n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, score_func="sqrtsoftplus",
         route_scale=1.5, swiglu_limit=10.0, q_lora_rank=64, head_dim=64, rope_head_dim=16, norm_eps=1e-20,
-        o_groups=2, o_lora_rank=32, window_size=16,
+        o_groups=4, o_lora_rank=32, window_size=16,
         compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1, 0, 0], kv_source_layers=[2, 4], index_source_layers=[2, 4, 6],
         original_seq_len=256, rope_theta=10000, rope_factor=16, beta_fast=32, beta_slow=1,
         index_n_heads=4, index_head_dim=32, index_topk=16, candidate_source_layer=4, candidate_topk_blocks=4,
@@ -96,6 +99,8 @@ def train_tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=DEMO_VOCAB, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    tokenizer.add_special_tokens([f"<｜place▁holder▁no▁{i}｜>" for i in range(-size % VOCAB_MULTIPLE)])
     return tokenizer
 
 

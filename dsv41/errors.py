@@ -19,3 +19,8 @@ class InputError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint directory or file that is not what it must be (names the file and the tensor)."""
+
+
+class RankLostError(UserError):
+    """A peer process of a parallel run died or stopped answering within the timeout (names the rank
+    and what this rank was doing); the run cannot continue and every surviving rank exits."""

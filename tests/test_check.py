@@ -166,36 +166,36 @@ def test_plan_weights_are_what_the_loaded_model_holds(demo_dir):
         assert plan.cache == held == cache_bytes(model.cfg, runtime)
 
 
-def test_plan_per_rank_bytes_are_the_rank_slices(tmp_path):
-    """At world sizes 2 and 4 each rank holds what rank_tensors hands it (Engram rows padded: 534 rows),
-    in the dtype its module keeps (wo_a dequantised to bf16 without its scale, the head in fp32), plus
-    the tensors no file stores."""
+def test_plan_per_rank_bytes_are_what_each_rank_loads(tmp_path):
+    """At TP = EP = 2 and 4 each rank's loaded model holds the plan's bytes (wo_a dequantised to bf16
+    without its scale, the head in fp32, the tensors no file stores), except that the last rank does
+    not hold the Engram padding rows the plan reserves (534 rows: 1 pad row at 4 ranks)."""
     from test_checkpoint_forms import ENGRAM
     from test_checkpoint_small import random_tensor
 
-    from dsv41.checkpoint.model_io import module_name_of, rank_tensors
+    from dsv41.checkpoint.model_io import load_into
+    from dsv41.checkpoint.sharding import engram_rows_per_rank
     from dsv41.checkpoint.writer import save_checkpoint
+    from dsv41.model import Transformer
     from dsv41.model.engram.hashing import table_rows
+    from dsv41.parallel import ParallelContext
     engram = {**ENGRAM, "engram_vocab_size": 114, "engram_num_embeddings": table_rows(1, 3, 2, 114)}   # 534 rows
     cfg = helpers.binding_config(**engram, o_groups=4, index_n_heads=4)      # world sizes 1, 2, 4
     inventory = released_inventory(cfg)
     save_checkpoint(tmp_path, {n: random_tensor(spec, i) for i, (n, spec) in enumerate(inventory.items())})
     runtime = RuntimeConfig(max_seq_len=64)
-    tensors = meta_model(cfg, runtime).state_dict(keep_vars=True)
     ckpt = CheckpointDir(tmp_path)
-    stored_modules = {module_name_of(n) for n in ckpt.names()}
-    unstored = sum(t.nbytes for n, t in tensors.items() if n not in stored_modules)
+    row_bytes = sum(t[0].nbytes for n, t in meta_model(cfg, runtime).state_dict().items() if ".engram.embed." in n)
     for ws in (2, 4):
         plan = plan_load(cfg, runtime, world_size=ws)
+        _, pad = engram_rows_per_rank(534, ws)
         for rank in range(ws):
-            held = 0
-            for name, part, pad in rank_tensors(ckpt, cfg, rank, ws):
-                module = tensors.get(module_name_of(name))
-                if module is None:                              # vision, and the dropped wo_a scales
-                    continue
-                row = part[0].numel() if part.dim() else 1
-                held += row * ((part.shape[0] + pad) if part.dim() else 1) * module.element_size()
-            assert sum(plan.weights.values()) == held + unstored, (ws, rank)
+            model = Transformer(cfg, runtime, device="meta", parallel=ParallelContext(rank=rank, world_size=ws,
+                                                                                      tp_size=ws, ep_size=ws))
+            load_into(model, ckpt)
+            held = sum(t.nbytes for t in model.state_dict().values())
+            unheld = pad * row_bytes if rank == ws - 1 else 0
+            assert sum(plan.weights.values()) == held + unheld, (ws, rank)
 
 
 def test_released_plan_matches_the_published_figures(released_cfg):

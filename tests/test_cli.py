@@ -180,7 +180,7 @@ def test_score_ids_and_dump_logits(in_process_env, demo_dir, tmp_path, capsys, m
     assert status == 0, err
     data = np.load(npz)
     logits = data["logits"]
-    assert logits.shape == (2, 5, 709) and logits.dtype == np.float32
+    assert logits.shape == (2, 5, 768) and logits.dtype == np.float32
     assert data["lengths"].tolist() == [5, 3]
     # entry t = next-token logits after token t: the same computation in-process (prefill 2, then
     # decode; how decode and prefill agree is tested in test_generate.py)

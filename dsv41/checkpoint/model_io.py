@@ -14,8 +14,9 @@ the layout names.
 from __future__ import annotations
 
 import json
+import math
 import shutil
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +25,9 @@ from torch import nn
 
 from ..model import formats
 from ..config import ModelConfig, RuntimeConfig
-from .inventory import PER_EXPERT, is_expert_stack, module_name_of, released_inventory, stored_names
+from .inventory import EXPERT_STACK, PER_EXPERT, is_expert_stack, module_name_of, released_inventory, stored_names
+from .sharding import ENGRAM_ROWS, SPLIT, check_parallel_sizes, rank_slice, shard_rule
+from ..parallel.context import ParallelContext
 from .progress import byte_progress
 from ..errors import CheckpointError
 from .plan import check_context, check_fits, plan_load
@@ -105,7 +108,7 @@ def _is_scale_of_quantized(name: str, tensors: dict[str, torch.Tensor]) -> bool:
 
 
 def _format_problems(ckpt: CheckpointDir, sources: list[str], scales: list[str], target: torch.Tensor,
-                     held_scale: torch.Tensor | None, stacked: bool) -> list[str]:
+                     held_scale: torch.Tensor | None, stacked: bool, part: tuple[int, int] | None) -> list[str]:
     """Why the stored weights cannot become `target` by dequantising, casting or copying ([] if they can).
 
     `held_scale` is the module's scale when it keeps the weight quantised; then the stored weight must be
@@ -126,28 +129,66 @@ def _format_problems(ckpt: CheckpointDir, sources: list[str], scales: list[str],
         elif held_scale is not None:
             rows = 1 if stacked else 0                           # one expert's part of the stack
             want = {weight: tuple(target.shape[rows:]), scale: tuple(held_scale.shape[rows:])}
-            problems += [f"{n} is {ckpt.spec(n).shape}, the model holds {shape}" for n, shape in want.items()
-                         if ckpt.spec(n).shape != shape]
+            problems += [f"{n} is {_part_shape(ckpt, n, part)}, the model holds {shape}" for n, shape in want.items()
+                         if _part_shape(ckpt, n, part) != shape]
     return problems
 
 
-def _plan(tensors: dict[str, torch.Tensor], ckpt: CheckpointDir):
-    """(name, stored weights, their scales or None) per module tensor; names it lacks; format problems."""
+def _part_shape(ckpt: CheckpointDir, name: str, part: tuple[int, int] | None) -> tuple[int, ...]:
+    shape = ckpt.spec(name).shape
+    if part is None:
+        return shape
+    sliced = rank_slice(name, shape, *part)
+    return shape[:sliced.dim] + (sliced.stop - sliced.start,) + shape[sliced.dim + 1:]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One module tensor: its stored weights (one per expert for a stack), their scales (None when
+    unquantised), and this rank's cut of each — (rank, parts) for split tensors and Engram tables."""
+
+    name: str
+    sources: list[str]
+    scales: list[str] | None
+    part: tuple[int, int] | None
+    every_expert: list[str]
+    """The stored names of every rank's experts of a stack (all of them belong to this model)."""
+
+
+def _cut(name: str, model: nn.Module) -> tuple[int, int] | None:
+    """(TP rank, TP size) when tensor `name` is cut over the TP group (docs/CHECKPOINT.md §5)."""
+    ctx = getattr(model, "parallel", None)
+    if ctx is None or ctx.tp_size == 1 or shard_rule(name).kind not in (SPLIT, ENGRAM_ROWS):
+        return None
+    return ctx.tp_rank, ctx.tp_size
+
+
+def _first_expert(name: str, model: nn.Module) -> tuple[int, int]:
+    """(index of the stack's first expert, experts of every rank) for a stacked expert tensor."""
+    moe = model.get_submodule(EXPERT_STACK.match(name)["prefix"].rpartition(".")[0])
+    lo, hi = moe.expert_range
+    return lo, moe.n_experts
+
+
+def _plan(tensors: dict[str, torch.Tensor], ckpt: CheckpointDir, model: nn.Module):
+    """An `_Entry` per module tensor; stored names it lacks; format problems."""
     plan, missing, problems = [], [], []
     for name, target in tensors.items():
         if _is_scale_of_quantized(name, tensors):
             continue
         stacked = is_expert_stack(name)
-        n_stack = target.shape[0] if stacked else 1
-        sources = stored_names(name, n_stack)
+        n_stack, first, every = (target.shape[0], *_first_expert(name, model)) if stacked else (1, 0, 1)
+        sources = stored_names(name, n_stack, first)
         scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
-        scales = stored_names(scale_name, n_stack) if scale_name else []
+        scales = stored_names(scale_name, n_stack, first) if scale_name else []
+        part = _cut(name, model)
         absent = [s for s in sources if s not in ckpt]
         missing += absent
         if not absent:
-            problems += _format_problems(ckpt, sources, scales, target, tensors.get(scale_name or ""), stacked)
+            problems += _format_problems(ckpt, sources, scales, target, tensors.get(scale_name or ""), stacked, part)
         quantized = any(s in ckpt for s in scales)
-        plan.append((name, sources, scales if quantized else None))
+        every_expert = stored_names(name, every) + (stored_names(scale_name, every) if quantized else []) if stacked else []
+        plan.append(_Entry(name, sources, scales if quantized else None, part, every_expert))
     return plan, missing, problems
 
 
@@ -167,23 +208,32 @@ def load_into(model: nn.Module, ckpt: CheckpointDir, *, device: str | torch.devi
     hold quantised): those are never cast.
     """
     tensors = _module_tensors(model)
-    plan, missing, problems = _plan(tensors, ckpt)
+    plan, missing, problems = _plan(tensors, ckpt, model)
     _refuse(ckpt, f"lacks {len(missing)} tensor(s) the model needs", missing)
     _refuse(ckpt, f"stores {len(problems)} weight(s) in a form the model cannot take", problems)
-    used = {s for _, srcs, scs in plan for s in srcs + (scs or [])}
+    used = {s for e in plan for s in e.sources + (e.scales or [])}
+    claimed = used | {s for e in plan for s in e.every_expert}          # other ranks' experts are the model's too
     left = [n for n in ckpt.names() if n not in used]
-    stray = [n for n in left if not skipped_family(n, model)]
+    stray = [n for n in left if n not in claimed and not skipped_family(n, model)]
     _refuse(ckpt, f"has {len(stray)} tensor(s) this model has no place for", stray)
-    total = sum(ckpt.spec(s).nbytes for s in used)
-    with byte_progress(total, "loading", enabled=progress) as bar:
-        for name, sources, scales in plan:
-            _load_one(model, tensors, name, sources, scales, ckpt, device, engram_on_disk)
-            bar.update(sum(ckpt.spec(s).nbytes for s in sources + (scales or [])))
+    size = lambda e: sum(_part_bytes(ckpt, s, e.part) for s in e.sources + (e.scales or []))
+    with byte_progress(sum(map(size, plan)), "loading", enabled=progress) as bar:
+        for entry in plan:
+            _load_one(model, tensors, entry, ckpt, device, engram_on_disk)
+            bar.update(size(entry))
     return left
 
 
-def _read(ckpt: CheckpointDir, names: list[str], stacked: bool) -> torch.Tensor:
-    """One stored tensor, or the per-expert tensors read straight into one stacked tensor."""
+def _part_bytes(ckpt: CheckpointDir, name: str, part: tuple[int, int] | None) -> int:
+    spec = ckpt.spec(name)
+    return spec.nbytes * math.prod(_part_shape(ckpt, name, part)) // max(1, math.prod(spec.shape))
+
+
+def _read(ckpt: CheckpointDir, names: list[str], stacked: bool, part: tuple[int, int] | None = None) -> torch.Tensor:
+    """One stored tensor (this rank's cut of it), or the per-expert tensors read straight into one stack."""
+    if part is not None:
+        cut = rank_slice(names[0], ckpt.spec(names[0]).shape, *part)
+        return ckpt.tensor(names[0], slice_dim=cut.dim, start=cut.start, stop=cut.stop).clone()   # owned memory
     if not stacked:
         return ckpt.read(names[0])
     first = ckpt.spec(names[0])
@@ -193,16 +243,24 @@ def _read(ckpt: CheckpointDir, names: list[str], stacked: bool) -> torch.Tensor:
     return out
 
 
-def _load_one(model, tensors, name, sources, scales, ckpt, device, engram_on_disk) -> None:
+def _mapped(ckpt: CheckpointDir, name: str, part: tuple[int, int] | None) -> torch.Tensor:
+    """A tensor (or this rank's rows of it) as a view of its file mapping, for sparse reads."""
+    if part is None:
+        return ckpt.tensor(name, random_access=True)
+    cut = rank_slice(name, ckpt.spec(name).shape, *part)
+    return ckpt.tensor(name, slice_dim=cut.dim, start=cut.start, stop=cut.stop, random_access=True)
+
+
+def _load_one(model, tensors, entry: _Entry, ckpt, device, engram_on_disk) -> None:
+    name, sources, scales, part = entry.name, entry.sources, entry.scales, entry.part
     target = tensors[name]
     if engram_on_disk and name.endswith(".engram.embed.weight"):
         table = model.get_submodule(name[: -len(".weight")])
-        table.attach(ckpt.tensor(sources[0], random_access=True), ckpt.tensor(scales[0], random_access=True),
-                     movable=False, read_only=True)
+        table.attach(_mapped(ckpt, sources[0], part), _mapped(ckpt, scales[0], part), movable=False, read_only=True)
         return
     stacked = is_expert_stack(name)
-    weight = _read(ckpt, sources, stacked)
-    scale = _read(ckpt, scales, stacked) if scales else None
+    weight = _read(ckpt, sources, stacked, part)
+    scale = _read(ckpt, scales, stacked, part) if scales else None
     if scale is not None and target.dtype == weight.dtype:
         _set_tensor(model, name[: -len("weight")] + "scale", scale.to(device))
         value = weight.to(device)
@@ -220,35 +278,9 @@ def _load_one(model, tensors, name, sources, scales, ckpt, device, engram_on_dis
     _set_tensor(model, name, value.contiguous())
 
 
-def rank_tensors(ckpt: CheckpointDir, cfg: ModelConfig, rank: int, world_size: int
-                 ) -> Iterator[tuple[str, torch.Tensor, int]]:
-    """(name, this rank's part, zero rows to pad) for tensor parallelism (docs/CHECKPOINT.md §5).
-
-    Applies the sharding table while reading, so each rank reads only its slice: split tensors are cut on
-    their dim, routed experts another rank owns are skipped, Engram tables give ⌈rows/ws⌉ rows (the last
-    rank reports its padding), everything else is read whole.
-    """
-    from .inventory import routed_expert_count
-    from .sharding import check_world_size, expert_index, rank_slice
-
-    check_world_size(cfg, world_size)
-    for name in ckpt.names():
-        spec = ckpt.spec(name)
-        expert = expert_index(name)
-        n_experts = routed_expert_count(name, cfg) if expert is not None else None
-        part = rank_slice(name, spec.shape, rank, world_size, n_experts=n_experts)
-        if part is None:
-            yield name, ckpt.tensor(name), 0
-        elif part.dim is None:
-            if part.start <= expert < part.stop:
-                yield name, ckpt.tensor(name), 0
-        else:
-            yield name, ckpt.tensor(name, slice_dim=part.dim, start=part.start, stop=part.stop), part.pad
-
-
 def load_model(path: str | Path, runtime: RuntimeConfig | None = None, *, device: str | None = None,
                engram_on_disk: bool = False, progress: bool | None = None, check_memory: bool = True,
-               on_plan=None):
+               on_plan=None, parallel: ParallelContext | None = None):
     """Build a Transformer from a released-layout directory (config.json, index + shards, tokenizer.json).
 
     Everything that can be checked is checked before a tensor byte is read, in this order: the config,
@@ -257,7 +289,8 @@ def load_model(path: str | Path, runtime: RuntimeConfig | None = None, *, device
     available (`check_memory=False` skips the last; `on_plan(plan)` sees the plan first). The model is
     built on the meta device and each tensor is materialised once, from the memory map, in its final
     format. `engram_on_disk` keeps the Engram tables memory-mapped (only looked-up rows are ever read).
-    The device is `device`, else `runtime.device`.
+    The device is `device`, else `runtime.device`. With a `parallel` context each rank builds and reads
+    only its part (docs/PARALLEL.md §1), after the sizes are checked against the config.
     """
     from ..model import Transformer
 
@@ -265,13 +298,17 @@ def load_model(path: str | Path, runtime: RuntimeConfig | None = None, *, device
     cfg = ModelConfig.from_json(path / "config.json")
     runtime = runtime or RuntimeConfig(device=device or "cpu")
     device = device or runtime.device
+    parallel = parallel or ParallelContext()
+    check_parallel_sizes(cfg, parallel.tp_size, parallel.ep_size)
     ckpt = CheckpointDir(path)
     ckpt.validate_against(released_inventory(cfg))
     check_context(cfg, runtime.max_seq_len)
     check_tokenizer(path, cfg)
     token_map = token_map_of(path, cfg)
-    model = Transformer(cfg, runtime, device="meta")
-    plan = plan_load(cfg, replace(runtime, device=str(device)), engram_on_disk=engram_on_disk, model=model)
+    model = Transformer(cfg, runtime, device="meta", parallel=parallel)
+    plan = plan_load(cfg, replace(runtime, device=str(device)), engram_on_disk=engram_on_disk,
+                     model=None if parallel.distributed else model,       # the plan cuts a whole model itself
+                     world_size=parallel.tp_size, ep_size=parallel.ep_size)
     if on_plan is not None:
         on_plan(plan)
     if check_memory:

@@ -24,7 +24,7 @@ import torch
 from ..config import ModelConfig, RuntimeConfig
 from ..errors import UserError
 from .inventory import is_expert_stack, released_inventory, stored_names
-from .sharding import ENGRAM_ROWS, SPLIT, allowed_world_sizes, check_world_size, engram_rows_per_rank, shard_rule
+from .sharding import ENGRAM_ROWS, SPLIT, allowed_world_sizes, check_parallel_sizes, engram_rows_per_rank, shard_rule
 
 GiB = 2 ** 30
 PREFILL_CHUNK = 512
@@ -51,12 +51,13 @@ def component_of(name: str) -> str:
     return "attention, shared experts, norms"
 
 
-def _rank_bytes(name: str, tensor: torch.Tensor, world_size: int) -> int:
-    """Bytes of module tensor `name` one rank holds at `world_size` (every rank holds as many)."""
+def _rank_bytes(name: str, tensor: torch.Tensor, world_size: int, ep_size: int) -> int:
+    """Bytes of module tensor `name` one rank holds with tensor parallelism over `world_size` ranks and
+    the routed experts over `ep_size` (every rank holds as many)."""
+    if is_expert_stack(name):                      # a stack of routed experts: the rank's range of them
+        return tensor.nbytes // ep_size
     if world_size == 1:
         return tensor.nbytes
-    if is_expert_stack(name):                      # a stack of routed experts: the rank's range of them
-        return tensor.nbytes // world_size
     rule = shard_rule(name)
     if rule.kind == ENGRAM_ROWS:
         per_rank, _ = engram_rows_per_rank(tensor.shape[0], world_size)
@@ -75,6 +76,7 @@ class LoadPlan:
 
     numerics: str
     world_size: int
+    """Tensor parallel size (query heads, vocabulary, Engram rows)."""
     context: int
     batch: int
     device: str
@@ -83,6 +85,8 @@ class LoadPlan:
     cache: int = 0
     load_transient: int = 0
     prefill_transient: dict[str, int] = field(default_factory=dict)
+    ep_size: int | None = None
+    """Expert parallel size (routed experts); None: the same as world_size."""
 
     @property
     def engram(self) -> int:
@@ -109,7 +113,8 @@ class LoadPlan:
         return self.weight_bytes + self.cache + max(self.load_transient, self.peak_prefill)
 
     def lines(self) -> list[str]:
-        out = [f"load plan: {self.numerics} numerics, world size {self.world_size}, context {self.context:,}, "
+        ep = "" if self.ep_size in (None, self.world_size) else f", experts over {self.ep_size}"
+        out = [f"load plan: {self.numerics} numerics, world size {self.world_size}{ep}, context {self.context:,}, "
                f"batch {self.batch}, device {self.device}; per rank:"]
         for label, n in sorted(self.weights.items(), key=lambda kv: -kv[1]):
             where = " (memory-mapped from disk, not held)" if label == "Engram tables" and self.engram_on_disk else ""
@@ -189,20 +194,23 @@ def prefill_transient(cfg: ModelConfig, runtime: RuntimeConfig, tokens: int = PR
 
 
 def plan_load(cfg: ModelConfig, runtime: RuntimeConfig, *, world_size: int = 1, engram_on_disk: bool = False,
-              model=None, inventory: dict | None = None) -> LoadPlan:
-    """The plan for loading `cfg` with `runtime` on each of `world_size` ranks. Nothing is read.
+              model=None, inventory: dict | None = None, ep_size: int | None = None) -> LoadPlan:
+    """The plan for loading `cfg` with `runtime` on each of `world_size` ranks (routed experts over
+    `ep_size`, default `world_size`). Nothing is read.
 
-    `model` (its meta build) and `inventory` (its released layout) may be passed in when several plans
-    of one config are made; a caller passing `inventory` has checked `world_size` (allowed_world_sizes)."""
+    `model` (its single-process meta build) and `inventory` (its released layout) may be passed in when
+    several plans of one config are made; a caller passing `inventory` has checked the sizes
+    (allowed_world_sizes)."""
+    ep = world_size if ep_size is None else ep_size
     if inventory is None:
         inventory = released_inventory(cfg)
-        check_world_size(cfg, world_size, inventory)
+        check_parallel_sizes(cfg, world_size, ep)
     model = model if model is not None else meta_model(cfg, runtime)
     weights: dict[str, int] = {}
     largest_read = 0
     for name, tensor in model.state_dict(keep_vars=True).items():
         label = component_of(name)
-        held = _rank_bytes(name, tensor, world_size)
+        held = _rank_bytes(name, tensor, world_size, ep)
         weights[label] = weights.get(label, 0) + held
         if label == "Engram tables" and engram_on_disk:
             continue
@@ -214,7 +222,7 @@ def plan_load(cfg: ModelConfig, runtime: RuntimeConfig, *, world_size: int = 1, 
     return LoadPlan(numerics=runtime.numerics, world_size=world_size, context=runtime.max_seq_len,
                     batch=runtime.max_batch_size, device=runtime.device, engram_on_disk=engram_on_disk,
                     weights=weights, cache=cache_bytes(cfg, runtime, model), load_transient=largest_read,
-                    prefill_transient=prefill_transient(cfg, runtime))
+                    prefill_transient=prefill_transient(cfg, runtime), ep_size=ep_size)
 
 
 # ---------------------------------------------------------------------------------------- memory

@@ -162,13 +162,15 @@ class _Cuts:
                 experts.setdefault(routed_expert_count(spec.name, cfg), spec.name)
         return cls(tuple(splits), experts)
 
-    def check(self, cfg: ModelConfig, world_size: int) -> None:
-        if world_size < 1:
-            raise ShardingError(f"world size must be positive, got {world_size}")
+    def check(self, cfg: ModelConfig, world_size: int, ep_size: int | None = None) -> None:
+        """Tensor parallelism over `world_size` ranks, routed experts over `ep_size` (default the same)."""
+        ep_size = world_size if ep_size is None else ep_size
+        if world_size < 1 or ep_size < 1:
+            raise ShardingError(f"parallel sizes must be positive, got {world_size} and {ep_size}")
         for spec, rule, blocked in self.splits:
             _check_split(spec, rule, blocked, cfg, world_size)
         for n, name in self.experts.items():
-            _even_part(name, "routed experts", n, 0, world_size)
+            _even_part(name, "routed experts", n, 0, ep_size)
 
 
 def _check_split(spec: TensorSpec, rule: ShardRule, blocked: bool, cfg: ModelConfig, world_size: int) -> None:
@@ -189,13 +191,31 @@ def check_world_size(cfg: ModelConfig, world_size: int, inventory: dict[str, Ten
     _Cuts.of(cfg, released_inventory(cfg) if inventory is None else inventory).check(cfg, world_size)
 
 
-def allowed_world_sizes(cfg: ModelConfig, candidates=range(1, 65)) -> list[int]:
+def allowed_world_sizes(cfg: ModelConfig, candidates=range(1, 65), *, axis: str = "both") -> list[int]:
+    """Sizes in `candidates` the checkpoint can be cut into: for tensor and expert parallelism together
+    ("both", the reference's layout), tensor parallelism alone ("tp") or the routed experts alone ("ep")."""
     cuts = _Cuts.of(cfg, released_inventory(cfg))
     ok = []
     for ws in candidates:
+        tp, ep = {"both": (ws, ws), "tp": (ws, 1), "ep": (1, ws)}[axis]
         try:
-            cuts.check(cfg, ws)
+            cuts.check(cfg, tp, ep)
         except ShardingError:
             continue
         ok.append(ws)
     return ok
+
+
+def check_parallel_sizes(cfg: ModelConfig, tp_size: int, ep_size: int) -> None:
+    """Refuse tensor/expert parallel sizes the checkpoint cannot be cut into, listing the sizes it can."""
+    cuts = _Cuts.of(cfg, released_inventory(cfg))
+    try:
+        cuts.check(cfg, tp_size, 1)
+    except ShardingError as e:
+        raise ShardingError(f"tensor parallel size {tp_size}: {e}; allowed sizes: "
+                            f"{', '.join(map(str, allowed_world_sizes(cfg, axis='tp')))}") from None
+    try:
+        cuts.check(cfg, 1, ep_size)
+    except ShardingError as e:
+        raise ShardingError(f"expert parallel size {ep_size}: {e}; allowed sizes: "
+                            f"{', '.join(map(str, allowed_world_sizes(cfg, axis='ep')))}") from None

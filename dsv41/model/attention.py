@@ -1,7 +1,7 @@
 """Attention of DeepSeek-V4.1: one shared K=V latent, a sliding window, compressed sparse attention.
 
 Shapes: B rows of the call (cache slots), N packed tokens of the call (step.py), D dim, Qr query rank,
-H heads, Dh head dim (= latent width), R rope dim, G output groups, Or output rank per group, W window,
+H heads (this rank's, under tensor parallelism), Dh head dim (= latent width), R rope dim, G output groups, Or output rank per group, W window,
 C compressed positions read per row, K top-k, k = min(K, C) entries a token lists, n entries of a token's
 attention list.
 
@@ -25,11 +25,12 @@ from ..config import ModelConfig
 from .cache import ModelCache, SourceState
 from .compressor import Compressor
 from .indexer import DEFAULT_BUDGET_BYTES, Indexer
-from .layers import Linear, RMSNorm, dense_storage
+from .layers import ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear, dense_storage
 from .numerics import Numerics
 from .roles import LayerRole
 from .rope import Rotary
 from .step import Handoff, Step
+from ..parallel.context import ParallelContext
 
 # Largest negative logit the running max starts from (§11.7).
 SCORE_FLOOR = -1e30
@@ -111,30 +112,36 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, si
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: Numerics, device=None, dtype=torch.bfloat16,
-                 indexer_budget_bytes: int = DEFAULT_BUDGET_BYTES):
+                 indexer_budget_bytes: int = DEFAULT_BUDGET_BYTES, parallel: ParallelContext | None = None):
         super().__init__()
+        parallel = parallel or ParallelContext()
         self.role, self.numerics = role, numerics
-        self.n_heads, self.head_dim, self.window = cfg.n_heads, cfg.head_dim, cfg.window_size
-        self.o_groups, self.o_lora_rank, self.index_topk = cfg.o_groups, cfg.o_lora_rank, cfg.index_topk
+        self.head_dim, self.window = cfg.head_dim, cfg.window_size
+        self.o_lora_rank, self.index_topk = cfg.o_lora_rank, cfg.index_topk
+        # this rank's heads and output groups (all of them in one process, docs/PARALLEL.md §1)
+        self.n_heads, self.o_groups = parallel.local("attn.attn_sink", cfg.n_heads), parallel.local("attn.wo_a", cfg.o_groups)
         self.candidate_topk_blocks, self.candidate_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
         self.softmax_scale = cfg.head_dim ** -0.5
         kw = dict(numerics=numerics, device=device, dtype=dtype)
         dense = dense_storage(cfg)
-        self.attn_sink = nn.Parameter(torch.empty(cfg.n_heads, device=device, dtype=torch.float32), requires_grad=False)
+        self.attn_sink = nn.Parameter(torch.empty(self.n_heads, device=device, dtype=torch.float32), requires_grad=False)
         self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, dense, **kw)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, device=device)
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, dense, **kw)
+        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, dense,
+                                         shard=parallel.shard("attn.wq_b"), **kw)
         self.wkv = Linear(cfg.dim, cfg.head_dim, dense, **kw)
         self.kv_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device=device)
         # wo_a is used in a grouped einsum, not a quantised GEMM: held in bf16 (§6.2).
-        self.wo_a = Linear(cfg.group_width, cfg.o_groups * cfg.o_lora_rank, "bf16", stored_as=dense, **kw)
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dense, **kw)
+        self.wo_a = ColumnParallelLinear(cfg.group_width, cfg.o_groups * cfg.o_lora_rank, "bf16", stored_as=dense,
+                                         shard=parallel.shard("attn.wo_a"), **kw)
+        self.wo_b = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dense,
+                                      shard=parallel.shard("attn.wo_b"), **kw)
         self.rotary = Rotary.for_layer(cfg, role.uses_compressed_rope)
         self.compressor = (Compressor(cfg.dim, cfg.head_dim, role.ratio, cfg.norm_eps, **kw)
                            if role.is_kv_source else None)
         self.indexer = (Indexer(cfg.dim, cfg.q_lora_rank, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim,
                                 cfg.norm_eps, owns_keys=role.is_kv_source, dense=dense,
-                                budget_bytes=indexer_budget_bytes, **kw)
+                                budget_bytes=indexer_budget_bytes, parallel=parallel, **kw)
                         if role.is_index_source else None)
 
     # -------------------------------------------------------------------------------- forward

@@ -19,6 +19,7 @@ from .moe import MoE
 from .numerics import Numerics
 from .roles import LayerRole
 from .step import Handoff, Step
+from ..parallel.context import ParallelContext
 
 
 class Block(nn.Module):
@@ -27,17 +28,18 @@ class Block(nn.Module):
     attention_cls = Attention
 
     def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: Numerics, device=None, dtype=torch.bfloat16,
-                 indexer_budget_bytes: int = DEFAULT_BUDGET_BYTES):
+                 indexer_budget_bytes: int = DEFAULT_BUDGET_BYTES, parallel: ParallelContext | None = None):
         super().__init__()
+        parallel = parallel or ParallelContext()
         self.role, self.numerics = role, numerics
         self.hc_iters, self.norm_eps, self.hc_eps = cfg.hc_sinkhorn_iters, cfg.norm_eps, cfg.hc_eps
         kw = dict(numerics=numerics, device=device, dtype=dtype)
-        self.attn = self.attention_cls(cfg, role, indexer_budget_bytes=indexer_budget_bytes, **kw)
+        self.attn = self.attention_cls(cfg, role, indexer_budget_bytes=indexer_budget_bytes, parallel=parallel, **kw)
         n_experts, n_active = ((cfg.dspark_n_routed_experts, cfg.dspark_n_activated_experts) if role.is_dspark
                                else (cfg.n_routed_experts, cfg.n_activated_experts))
         self.ffn = MoE(cfg.dim, cfg.moe_inter_dim, n_experts, n_active, cfg.route_scale, cfg.swiglu_limit,
                        expert_storage(cfg), vision=cfg.vision_enabled, gate_temp=cfg.gate_temp,
-                       dense_storage=dense_storage(cfg), **kw)
+                       dense_storage=dense_storage(cfg), parallel=parallel, **kw)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         width, flat = cfg.hc_mix_width, cfg.hc_mult * cfg.dim
@@ -47,7 +49,7 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{sub}_scale", _fp32_param((3,), device))
         self.engram = None
         if role.has_engram:
-            self.engram = Engram(cfg, role.engram_index, numerics=numerics, device=device)
+            self.engram = Engram(cfg, role.engram_index, numerics=numerics, device=device, parallel=parallel)
 
     def _mixes(self, x: torch.Tensor, sub: str):
         return hyper.mixes(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),

@@ -32,6 +32,7 @@ from .layers import Embedding, Head, Linear, RMSNorm, dense_storage
 from .numerics import Numerics
 from .roles import LayerRole
 from .step import Handoff, Step
+from ..parallel.context import ParallelContext
 
 
 @dataclass(frozen=True)
@@ -81,10 +82,12 @@ class DSparkAttention(Attention):
 class MarkovHead(nn.Module):
     """`embed [V, Rm]` and `head [V, Rm]`: bias_i = head · embed[id_i] (fp32, §15 step 4)."""
 
-    def __init__(self, vocab_size: int, rank: int, *, numerics: Numerics, device=None):
+    def __init__(self, vocab_size: int, rank: int, *, numerics: Numerics, device=None,
+                 parallel: ParallelContext | None = None):
         super().__init__()
-        self.embed = Embedding(vocab_size, rank, device=device)
-        self.head = Head(vocab_size, rank, numerics=numerics, device=device)
+        parallel = parallel or ParallelContext()
+        self.embed = Embedding(vocab_size, rank, device=device, shard=parallel.shard("embed"))
+        self.head = Head(vocab_size, rank, numerics=numerics, device=device, shard=parallel.shard("head"))
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         embedded = self.embed(ids)                                                       # [B, Rm]
@@ -110,8 +113,9 @@ class DSparkStage(Block):
     attention_cls = DSparkAttention
 
     def __init__(self, cfg: ModelConfig, role: LayerRole, *, numerics: Numerics, device=None, dtype=torch.bfloat16,
-                 **block):
-        super().__init__(cfg, role, numerics=numerics, device=device, dtype=dtype, **block)
+                 parallel: ParallelContext | None = None, **block):
+        parallel = parallel or ParallelContext()
+        super().__init__(cfg, role, numerics=numerics, device=device, dtype=dtype, parallel=parallel, **block)
         index = role.layer_id - cfg.n_layers
         if index == 0:
             width = cfg.dim * len(cfg.dspark_target_layer_ids)
@@ -120,7 +124,7 @@ class DSparkStage(Block):
         if index == cfg.n_mtp_layers - 1:
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, numerics=numerics,
-                                          device=device)
+                                          device=device, parallel=parallel)
             self.confidence_head = ConfidenceHead(cfg.dim + cfg.dspark_markov_rank, numerics=numerics, device=device)
 
 

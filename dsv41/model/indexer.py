@@ -32,11 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import INDEXER_BUDGET_BYTES
-from .layers import Linear, RMSNorm
+from .layers import ColumnParallelLinear, Linear, RMSNorm
+from ..parallel.context import ParallelContext
 from .numerics import Numerics
 from .rope import Rotary
 from .topk import topk as ordered_topk
@@ -158,13 +160,20 @@ def column_tiles(n_compressed: int, columns: int) -> list[tuple[int, int]]:
 class Indexer(nn.Module):
     def __init__(self, dim: int, q_lora_rank: int, head_dim: int, n_heads: int, index_head_dim: int,
                  norm_eps: float, *, owns_keys: bool, numerics: Numerics, dense: str = "fp8", device=None,
-                 dtype=torch.bfloat16, budget_bytes: int = DEFAULT_BUDGET_BYTES):
+                 dtype=torch.bfloat16, budget_bytes: int = DEFAULT_BUDGET_BYTES, parallel: ParallelContext | None = None):
         super().__init__()
-        self.n_heads, self.head_dim, self.numerics = n_heads, index_head_dim, numerics
+        parallel = parallel or ParallelContext()
+        # Hi below is this rank's heads; the head weights' scale uses all of them (§11.6)
+        self.n_heads, self.head_dim, self.numerics = parallel.local("indexer.weights_proj", n_heads), index_head_dim, numerics
+        self.weight_scale = index_head_dim ** -0.5 * n_heads ** -0.5
         # bound on one transient tensor of a call (`indexer_tiling`); no result depends on it
         self.budget_bytes = budget_bytes
-        self.wq_b = Linear(q_lora_rank, n_heads * index_head_dim, dense, numerics=numerics, device=device, dtype=dtype)
-        self.weights_proj = Linear(dim, n_heads, "bf16", numerics=numerics, device=device, dtype=dtype)
+        self.wq_b = ColumnParallelLinear(q_lora_rank, n_heads * index_head_dim, dense, numerics=numerics, device=device,
+                                         dtype=dtype, shard=parallel.shard("indexer.wq_b"))
+        self.weights_proj = ColumnParallelLinear(dim, n_heads, "bf16", numerics=numerics, device=device, dtype=dtype,
+                                                 shard=parallel.shard("indexer.weights_proj"))
+        # the heads' partial score sums are added over the TP group before any choice is made
+        self.heads_group = None if self.weights_proj.shard is None else self.weights_proj.shard.group
         self.owns_keys = owns_keys
         if owns_keys:
             self.wk = Linear(head_dim, index_head_dim, "bf16", numerics=numerics, device=device, dtype=dtype)
@@ -185,7 +194,7 @@ class Indexer(nn.Module):
         """(q [B, T, Hi, Di] fp4-QDQ after RoPE, head weights [B, T, Hi]) of the rows given."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = self.numerics.qdq_index(rotary.rotate(q, positions))
-        weights = self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        weights = self.weights_proj(x) * self.weight_scale
         return q, weights
 
     def scores(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
@@ -204,6 +213,9 @@ class Indexer(nn.Module):
             logits = self.numerics.einsum("bthd,bcd->bthc", q, keys[:, start:end])          # [B, T, Hi, c]
             part = self.numerics.head_sum(logits.relu() * weights.unsqueeze(-1), 2)          # [B, T, c]
             del logits                                  # before the next tile's: one tile alive at a time
+            if self.heads_group is not None:
+                # every rank then holds the same scores, so all make the same top-k choices
+                dist.all_reduce(part, group=self.heads_group)
             if len(tiles) == 1:
                 score = part
             else:

@@ -10,16 +10,23 @@ run's `Numerics` policy:
 - `fast` holds every quantised weight dequantised in the compute dtype and skips activation
   quantisation.
 Every product goes through the policy's kernels (`numerics.py`).
+
+Under tensor parallelism (a `Shard` from the parallel context, docs/PARALLEL.md) a Linear holds its
+rank's rows (`ColumnParallelLinear`: query heads, output groups, indexer heads; no collective, the
+heads stay on their rank) or columns (`RowParallelLinear`: each rank's partial product is summed over
+the TP group in fp32, as the reference reduces), and the embedding and head hold a vocabulary slice.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from . import formats
 from .numerics import Numerics
+from ..parallel.context import Shard
 
 STORAGES = ("fp8", "fp4", "bf16", "fp32")
 
@@ -100,10 +107,16 @@ class Linear(nn.Module):
     """y = x Wᵀ with W in one of the release's storage formats (no bias anywhere in the text model)."""
 
     def __init__(self, in_features: int, out_features: int, storage: str, *, numerics: Numerics,
-                 device=None, dtype: torch.dtype = torch.bfloat16, stored_as: str | None = None):
+                 device=None, dtype: torch.dtype = torch.bfloat16, stored_as: str | None = None,
+                 shard: Shard | None = None):
         super().__init__()
         if storage not in STORAGES:
             raise ValueError(f"unknown Linear storage {storage!r}; expected one of {STORAGES}")
+        self.shard = shard
+        if shard is not None and shard.dim == 0:
+            out_features = shard.size(out_features)
+        elif shard is not None:
+            in_features = shard.size(in_features)
         # The checkpoint's format when it differs from the module's (wo_a: fp8 stored, bf16 held).
         self.stored_as = stored_as or storage
         if storage == "fp4" and in_features % 32:
@@ -142,25 +155,68 @@ class Linear(nn.Module):
                 f"numerics={self.numerics.mode}/{self.numerics.kernels}")
 
 
-class Embedding(nn.Module):
-    """Token embedding [V, D] (bf16 in the release); a vocab slice under tensor parallelism."""
+class ColumnParallelLinear(Linear):
+    """A Linear holding its rank's output rows (a dim-0 `Shard`); its outputs stay on the rank."""
 
-    def __init__(self, vocab_size: int, dim: int, *, device=None, dtype=torch.bfloat16):
+    def __init__(self, in_features: int, out_features: int, storage: str, *, shard: Shard | None, **kw):
+        if shard is not None and shard.dim != 0:
+            raise ValueError(f"a column-parallel Linear cuts its output rows, not dim {shard.dim}")
+        super().__init__(in_features, out_features, storage, shard=shard, **kw)
+
+
+class RowParallelLinear(Linear):
+    """A Linear holding its rank's input columns (a dim-1 `Shard`): y = Σ_ranks x_r W_rᵀ, the partial
+    products upcast to fp32, all-reduced over the TP group, cast back (§11.8)."""
+
+    def __init__(self, in_features: int, out_features: int, storage: str, *, shard: Shard | None, **kw):
+        if shard is not None and shard.dim != 1:
+            raise ValueError(f"a row-parallel Linear cuts its input columns, not dim {shard.dim}")
+        super().__init__(in_features, out_features, storage, shard=shard, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.shard is None:
+            return y
+        partial = y.float()
+        dist.all_reduce(partial, group=self.shard.group)
+        return partial.to(y.dtype)
+
+
+class Embedding(nn.Module):
+    """Token embedding [V, D] (bf16 in the release); under tensor parallelism the rank's vocabulary rows:
+    ids outside them read zeros, and the all-reduce over the TP group adds the one real row (§8)."""
+
+    def __init__(self, vocab_size: int, dim: int, *, device=None, dtype=torch.bfloat16, shard: Shard | None = None):
         super().__init__()
-        self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, dim, device=device, dtype=dtype), requires_grad=False)
+        self.vocab_size, self.shard = vocab_size, shard
+        rows = vocab_size if shard is None else shard.size(vocab_size)
+        self.first = 0 if shard is None else shard.start(vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, dim, device=device, dtype=dtype), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.shard is None:
+            return F.embedding(ids, self.weight)
+        local = ids - self.first
+        elsewhere = (local < 0) | (local >= self.weight.shape[0])
+        y = F.embedding(local.masked_fill(elsewhere, 0), self.weight).masked_fill(elsewhere.unsqueeze(-1), 0)
+        dist.all_reduce(y, group=self.shard.group)
+        return y
 
 
 class Head(nn.Module):
-    """Output projection [V, D] held in fp32 so logits come out in fp32 (§8, trap 20)."""
+    """Output projection [V, D] held in fp32 so logits come out in fp32 (§8, trap 20); under tensor
+    parallelism each rank projects its vocabulary rows and the logits are all-gathered in rank order."""
 
-    def __init__(self, vocab_size: int, dim: int, *, numerics: Numerics, device=None):
+    def __init__(self, vocab_size: int, dim: int, *, numerics: Numerics, device=None, shard: Shard | None = None):
         super().__init__()
-        self.numerics = numerics
-        self.weight = nn.Parameter(torch.empty(vocab_size, dim, device=device, dtype=torch.float32), requires_grad=False)
+        self.numerics, self.shard = numerics, shard
+        rows = vocab_size if shard is None else shard.size(vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, dim, device=device, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.numerics.linear(x.float(), self.weight.float())
+        logits = self.numerics.linear(x.float(), self.weight.float())
+        if self.shard is None:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.shard.parts)]
+        dist.all_gather(parts, logits.contiguous(), group=self.shard.group)
+        return torch.cat(parts, dim=-1)

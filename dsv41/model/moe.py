@@ -17,12 +17,14 @@ on the numerics policy:
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from .layers import Linear, quantized_linear, stored_dtypes, weight_shapes
 from .numerics import Numerics
 from .topk import topk as ordered_topk
+from ..parallel.context import ParallelContext
 
 # Routing weights are normalised with their own constant, not norm_eps (§13, trap 3).
 ROUTE_NORM_EPS = 1e-20
@@ -197,12 +199,15 @@ class RoutedExperts(nn.Module):
 class MoE(nn.Module):
     def __init__(self, dim: int, inter_dim: int, n_experts: int, n_activated: int, route_scale: float,
                  swiglu_limit: float, expert_storage: str, *, vision: bool, gate_temp: float = 1.0,
-                 dense_storage: str = "fp8",
-                 numerics: Numerics, device=None, dtype=torch.bfloat16, expert_range: tuple[int, int] | None = None):
+                 dense_storage: str = "fp8", numerics: Numerics, device=None, dtype=torch.bfloat16,
+                 parallel: ParallelContext | None = None):
         super().__init__()
+        parallel = parallel or ParallelContext()
         self.numerics = numerics
         self.n_experts, self.topk, self.route_scale, self.gate_temp = n_experts, n_activated, route_scale, gate_temp
-        self.expert_range = expert_range or (0, n_experts)
+        # expert parallelism: this rank's contiguous range; the others' outputs arrive in the all-reduce
+        self.expert_range = parallel.expert_range(n_experts)
+        self.experts_group = parallel.ep_group if parallel.ep_size > 1 else None
         kw = dict(numerics=numerics, device=device, dtype=dtype)
         self.gate = Router(dim, n_experts, vision=vision, device=device)
         local = self.expert_range[1] - self.expert_range[0]
@@ -221,7 +226,9 @@ class MoE(nn.Module):
         lo, hi = self.expert_range
         if self.experts.partial:
             ids = torch.where((ids >= lo) & (ids < hi), ids - lo, -1)
-        y = self.experts(flat, weights, ids)
+        y = self.experts(flat, weights, ids)                                  # fp32 [n, D]
+        if self.experts_group is not None:
+            dist.all_reduce(y, group=self.experts_group)                       # in fp32, as the reference (§13)
         y = y + self.shared_experts(flat).float()
         return y.to(x.dtype).view_as(x)
 

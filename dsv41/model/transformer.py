@@ -28,6 +28,7 @@ from .layers import Embedding, Head, RMSNorm
 from .roles import derive_roles
 from .step import Handoff, Step
 from ..errors import CheckpointError, InputError
+from ..parallel.context import ParallelContext
 
 
 @dataclass
@@ -41,19 +42,21 @@ class ModelOutput:
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, runtime: RuntimeConfig | None = None, *, device=None,
-                 token_map: torch.Tensor | None = None):
+                 token_map: torch.Tensor | None = None, parallel: ParallelContext | None = None):
         super().__init__()
         self.cfg = cfg
         self.runtime = runtime or RuntimeConfig()
+        self.parallel = parallel = parallel or ParallelContext()
         self.roles = derive_roles(cfg)
         dtype, numerics = self.runtime.torch_dtype, self.runtime.numerics_policy
         self.numerics = numerics
         kw = dict(numerics=numerics, device=device, dtype=dtype)
-        self.embed = Embedding(cfg.vocab_size, cfg.dim, device=device, dtype=torch.bfloat16)
-        blocks = dict(kw, indexer_budget_bytes=self.runtime.indexer_budget_bytes)
+        self.embed = Embedding(cfg.vocab_size, cfg.dim, device=device, dtype=torch.bfloat16,
+                               shard=parallel.shard("embed"))
+        blocks = dict(kw, indexer_budget_bytes=self.runtime.indexer_budget_bytes, parallel=parallel)
         self.layers = nn.ModuleList(Block(cfg, r, **blocks) for r in self.roles[:cfg.n_layers])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
-        self.head = Head(cfg.vocab_size, cfg.dim, numerics=numerics, device=device)
+        self.head = Head(cfg.vocab_size, cfg.dim, numerics=numerics, device=device, shard=parallel.shard("head"))
         if cfg.dspark_enabled:
             # DSpark stages, stored under mtp.* (docs/ARCHITECTURE.md §15); embedding and head are tied
             self.mtp = nn.ModuleList(DSparkStage(cfg, r, **blocks) for r in self.roles[cfg.n_layers:])

@@ -12,11 +12,13 @@ the projection and the per-stream gate (§9 steps 2-7).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..layers import Linear, dense_storage
 from ..numerics import Numerics
 from .table import EngramTable
+from ...parallel.context import ParallelContext
 
 GATE_SQRT_FLOOR = 1e-6  # |a| is clamped to this before the signed square root (§9 step 5)
 
@@ -37,12 +39,17 @@ def stream_gate(x: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: f
 class Engram(nn.Module):
     """One Engram layer: table `embed`, projection `wkv` to S keys + one value, gate `q_weight`·`k_weight`."""
 
-    def __init__(self, cfg, engram_index: int, numerics: Numerics, *, device=None):
+    def __init__(self, cfg, engram_index: int, numerics: Numerics, *, device=None,
+                 parallel: ParallelContext | None = None):
         super().__init__()
+        parallel = parallel or ParallelContext()
+        rows = cfg.engram_num_embeddings[engram_index]
+        # tensor parallelism: this rank's rows; the ranks' lookups are summed in `forward`
+        self.rows_group = parallel.tp_group if parallel.tp_size > 1 else None
         self.layer_id, self.numerics = cfg.engram_layer_ids[engram_index], numerics
         self.streams, self.dim, self.eps = cfg.hc_mult, cfg.dim, cfg.norm_eps  # eps 1e-20 (§6.7, trap 3)
         self.n_columns, self.head_dim = cfg.engram_hash_columns, cfg.engram_head_dim
-        self.embed = EngramTable(cfg.engram_num_embeddings[engram_index], self.head_dim, device=device)
+        self.embed = EngramTable(rows, self.head_dim, device=device, part=parallel.engram_rows(rows))
         # wkv follows `dtype` like every dense Linear (the table itself is always fp8, §9)
         self.wkv = Linear(self.n_columns * self.head_dim, (self.streams + 1) * self.dim, dense_storage(cfg),
                           numerics=numerics, device=device)
@@ -63,6 +70,11 @@ class Engram(nn.Module):
     def forward(self, x: torch.Tensor, rows: torch.Tensor, text_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x bf16 [B, T, S, D], rows bf16 [B, T, N·De], text_mask [B, T] (False = image) -> [B, T, S, D]."""
         S, D = self.streams, self.dim
+        if self.rows_group is not None:
+            # each row lives on one rank and reads zeros elsewhere: the bf16 sum is that row, exactly.
+            # Here, not in `gather`, which may run on a background thread beside the blocks' collectives.
+            rows = rows.contiguous()
+            dist.all_reduce(rows, group=self.rows_group)
         kv = self.wkv(rows)  # [B, T, (S+1)·D], §9 step 2
         key = kv[..., : S * D].float().unflatten(-1, (S, D))  # [B, T, S, D], stream-major
         value = kv[..., S * D:].float()  # [B, T, D], shared by every stream

@@ -42,16 +42,22 @@ class EngramTable(nn.Module):
 
     `movable=False` pins the table where it is: `model.to(...)` then leaves it alone, so a mapped
     or host-resident table is not copied onto the accelerator with the rest of the model.
+
+    Under tensor parallelism the table holds rows [first, first + rows) of the full table; a lookup
+    of any other row gives zeros, and the caller sums the ranks' lookups (ARCHITECTURE.md §9).
     """
 
-    def __init__(self, rows: int, head_dim: int, *, device=None, movable: bool = True):
+    def __init__(self, rows: int, head_dim: int, *, device=None, movable: bool = True,
+                 part: tuple[int, int] | None = None):
         super().__init__()
         if head_dim % SCALE_BLOCK:
             raise ValueError(f"Engram head_dim {head_dim} must be a multiple of {SCALE_BLOCK}")
-        self.rows, self.head_dim, self.movable, self.read_only = rows, head_dim, movable, False
-        self.weight = nn.Parameter(torch.empty(rows, head_dim, dtype=torch.float8_e4m3fn, device=device),
+        self.full_rows = rows
+        self.first, stop = part or (0, rows)
+        self.rows, self.head_dim, self.movable, self.read_only = stop - self.first, head_dim, movable, False
+        self.weight = nn.Parameter(torch.empty(self.rows, head_dim, dtype=torch.float8_e4m3fn, device=device),
                                    requires_grad=False)
-        self.scale = nn.Parameter(torch.empty(rows, head_dim // SCALE_BLOCK, dtype=torch.float8_e8m0fnu,
+        self.scale = nn.Parameter(torch.empty(self.rows, head_dim // SCALE_BLOCK, dtype=torch.float8_e8m0fnu,
                                               device=device), requires_grad=False)
 
     def attach(self, weight: torch.Tensor, scale: torch.Tensor, *, movable: bool = False,
@@ -99,7 +105,11 @@ class EngramTable(nn.Module):
         Only the requested rows are read; dequantisation is an fp32 multiply then one bf16 rounding
         (docs/ARCHITECTURE.md §9 step 1), done on the destination device."""
         out_device = torch.device(device) if device is not None else ids.device
-        flat = ids.reshape(-1).to(self.weight.device)
+        flat = ids.reshape(-1).to(self.weight.device) - self.first
+        elsewhere = None
+        if self.rows < self.full_rows:
+            elsewhere = (flat < 0) | (flat >= self.rows)
+            flat = flat.masked_fill(elsewhere, 0)
         # Gather as raw bytes: plain byte copies, on whatever device holds the table.
         w = self.weight.view(torch.uint8).index_select(0, flat)  # [M, De]
         s = self.scale.view(torch.uint8).index_select(0, flat)  # [M, De/32]
@@ -109,7 +119,10 @@ class EngramTable(nn.Module):
         w = w.to(out_device, non_blocking=async_copy).view(torch.float8_e4m3fn)
         s = s.to(out_device, non_blocking=async_copy).view(torch.float8_e8m0fnu)
         rows = formats.dequantize_fp8_rows(w, s).to(torch.bfloat16)
+        if elsewhere is not None:
+            rows = rows.masked_fill(elsewhere.to(out_device).unsqueeze(-1), 0)
         return rows.view(*ids.shape, self.head_dim)
 
     def extra_repr(self) -> str:
-        return f"rows={self.rows}, head_dim={self.head_dim}, device={self.weight.device}, movable={self.movable}"
+        part = "" if self.rows == self.full_rows else f" of {self.full_rows} from {self.first}"
+        return f"rows={self.rows}{part}, head_dim={self.head_dim}, device={self.weight.device}, movable={self.movable}"
