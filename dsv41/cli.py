@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +31,9 @@ from .engine.request import check_prompts
 from .repl import ChatSession, echo_to, input_lines, parse_effort, run_chat
 from .engine.sampling import SamplingParams
 from .engine.score import score
-from .errors import UserError
+from .errors import RankLostError, UserError
+from .parallel.driver import Driver, await_load, follow, peer_failure
+from .parallel.launch import DEFAULT_TIMEOUT_S, init_parallel, launched_world_size, rank_device, shutdown
 from .tokenizer import Tokenizer
 
 EXIT_USAGE = 2
@@ -75,6 +79,18 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="print the load plan (bytes per device by component) before loading")
     g.add_argument("--skip-memory-check", action="store_true",
                    help="load even when the plan exceeds the memory available (swap, overcommit)")
+    _add_parallel_options(p)
+
+
+def _add_parallel_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallel (under torchrun --nproc-per-node N)")
+    g.add_argument("--tp", type=count, default=None, metavar="N",
+                   help="tensor-parallel size: heads and vocabulary cut over N ranks (default: the world size)")
+    g.add_argument("--ep", type=count, default=None, metavar="N",
+                   help="expert-parallel size: routed experts cut over N ranks (default: the world size)")
+    g.add_argument("--rank-timeout", type=seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help=f"how long a rank waits for another before reporting it lost (default: "
+                        f"{DEFAULT_TIMEOUT_S:g})")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -104,6 +120,17 @@ def count(text: str) -> int:
     value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
+def seconds(text: str) -> float:
+    """argparse type of a duration (--rank-timeout): a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
     return value
 
 
@@ -278,13 +305,22 @@ def _device(args) -> str:
     return str(device)
 
 
-def load_model(path: Path, args, batch_size: int):
-    device = _device(args)
+def load_model(path: Path, args, batch_size: int, parallel=None):
+    """The model of a command; with a parallel context, this rank's part (only rank 0 shows the plan and
+    the progress)."""
+    device = _device(args) if parallel is None else rank_device(parallel, _device(args))
     runtime = RuntimeConfig(max_batch_size=batch_size, max_seq_len=args.max_context, device=device,
                             dtype=args.dtype, numerics=args.numerics, kernels=args.kernels)
-    show = (lambda plan: _note("\n".join(plan.lines()))) if args.show_plan else None
+    driver = parallel is None or parallel.is_driver
+    show = (lambda plan: _note("\n".join(plan.lines()))) if args.show_plan and driver else None
+    extra = {} if parallel is None else {"parallel": parallel, "progress": None if driver else False}
     return load(path, runtime, device=device, engram_on_disk=args.engram_on_disk,
-                check_memory=not args.skip_memory_check, on_plan=show)
+                check_memory=not args.skip_memory_check, on_plan=show, **extra)
+
+
+def local_models(args):
+    """How a command loads its model in one process: models(path, batch_size) → the model."""
+    return lambda path, batch_size: load_model(path, args, batch_size)
 
 
 def _check_speculative(args, model) -> None:
@@ -409,7 +445,7 @@ def encode_case(tokenizer, case, args) -> list[int]:
     return tokenizer.encode_prompt(text)
 
 
-def cmd_generate(args) -> int:
+def cmd_generate(args, models) -> int:
     if args.effort is not None and not args.thinking:
         raise CliError("--effort sets the reasoning effort of thinking mode; add --thinking")
     cases = prompt_cases(args)
@@ -421,7 +457,7 @@ def cmd_generate(args) -> int:
     prompts = [encode_case(tokenizer, c, args) for c in cases]
     config = generation_config(args, args.stop, args.stop_id)
     check_prompts(prompts, args.max_context, tokenizer.vocab_size)     # before the (slow) load
-    model = load_model(path, args, len(prompts))
+    model = models(path, len(prompts))
     _check_speculative(args, model)
     single = len(prompts) == 1
     completions = generate_all(model, tokenizer, prompts, config, echo_to(sys.stdout) if single else None)
@@ -436,12 +472,12 @@ def cmd_generate(args) -> int:
 
 
 # ------------------------------------------------------------------------------------ chat
-def cmd_chat(args) -> int:
+def cmd_chat(args, models) -> int:
     path = checkpoint_dir(args)
     tokenizer = Tokenizer.from_dir(path)
     session = ChatSession(args.system, args.thinking, parse_effort(args.effort))
     config = generation_config(args)
-    model = load_model(path, args, 1)
+    model = models(path, 1)
     interactive = sys.stdin.isatty()
     if interactive:
         _note("chat: /help lists the commands, /exit leaves")
@@ -509,7 +545,7 @@ def dump_logits(path: str, result, sequences) -> None:
         raise CliError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def cmd_score(args) -> int:
+def cmd_score(args, models) -> int:
     if args.dump_logits and not Path(args.dump_logits).resolve().parent.is_dir():
         raise CliError(f"--dump-logits {args.dump_logits}: the directory {Path(args.dump_logits).parent} does not "
                        f"exist")
@@ -517,7 +553,7 @@ def cmd_score(args) -> int:
     tokenizer = Tokenizer.from_dir(path)
     sequences = score_sequences(args, tokenizer)
     check_prompts(sequences, args.max_context, tokenizer.vocab_size, what="sequence")   # before the load
-    model = load_model(path, args, len(sequences))
+    model = models(path, len(sequences))
     result = score(model, sequences, args.prefill, max_context=args.max_context)
     print_scores(result, sequences, tokenizer)
     if args.dump_logits:
@@ -526,7 +562,7 @@ def cmd_score(args) -> int:
 
 
 # ------------------------------------------------------------------------------------ serve
-def cmd_serve(args) -> int:
+def cmd_serve(args, models) -> int:
     import uvicorn
 
     from .server.app import ServerConfig, ServerState, create_app
@@ -540,7 +576,7 @@ def cmd_serve(args) -> int:
 
     def load_all():
         tokenizer = Tokenizer.from_dir(path)
-        model = load_model(path, args, args.max_batch)
+        model = models(path, args.max_batch)
         _check_speculative(args, model)
         return model, tokenizer
 
@@ -574,8 +610,102 @@ def cmd_inspect(args, rest: list[str]) -> int:
     return entry(rest) or 0
 
 
+# ------------------------------------------------------------------------------------ parallel runs
+@dataclass(frozen=True)
+class LoadOrder:
+    """What rank 0 tells the other ranks to load: the directory it resolved (after preparing the demo,
+    so no two ranks write it) and the batch the load plan is made for."""
+
+    path: str
+    batch_size: int
+
+
+def run_model_command(args) -> int:
+    """generate / chat / score / serve: in this process, or as one rank of the world torchrun started."""
+    world = launched_world_size()
+    check_parallel_flags(args, world)
+    if world == 1:
+        return _MODEL_COMMANDS[args.command](args, local_models(args))
+    ctx = join_world(args, world)
+    try:
+        return drive(args, ctx) if ctx.is_driver else follow_driver(args, ctx)
+    finally:
+        shutdown(ctx)
+
+
+def check_parallel_flags(args, world: int) -> None:
+    for flag, size in (("--tp", args.tp), ("--ep", args.ep)):
+        if size is None:
+            continue
+        if world == 1 and size > 1:
+            raise CliError(f"{flag} {size} needs a parallel launch (torchrun --nproc-per-node {size} -m dsv41 …); "
+                           f"this is one process")
+        if world % size:
+            raise CliError(f"{flag} {size} does not divide the {world} ranks torchrun started")
+
+
+def join_world(args, world: int):
+    """This rank's ParallelContext; ranks that do not all arrive within --rank-timeout are an error."""
+    try:
+        return init_parallel(args.tp, args.ep, device=_device(args), timeout_s=args.rank_timeout)
+    except Exception as e:
+        if not peer_failure(e):
+            raise
+        raise RankLostError(f"rank {os.environ.get('RANK', '?')}: the {world} ranks did not all join within "
+                            f"{args.rank_timeout:g} s") from None
+
+
+def drive(args, ctx) -> int:
+    """Rank 0: the command itself, on a model whose every call the other ranks make too. SIGTERM
+    unwinds it like Ctrl-C (uvicorn re-raises it once a server has drained), so that the other ranks
+    are told to stop instead of finding rank 0 gone."""
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        with Driver(ctx, on_lost=exit_lost) as driver:
+            def models(path: Path, batch_size: int):
+                return driver.load(LoadOrder(str(path), batch_size),
+                                   lambda: load_model(path, args, batch_size, ctx))
+
+            return _MODEL_COMMANDS[args.command](args, models)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def exit_lost(error: RankLostError) -> None:
+    """A lost peer ends rank 0 at once, whichever thread finds it: a chat waiting for a line or an idle
+    server would otherwise never notice."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    print(f"dsv41: error: {one_error(error)}", file=sys.stderr, flush=True)
+    os._exit(EXIT_USAGE)
+
+
+def follow_driver(args, ctx) -> int:
+    """Any other rank: load when rank 0 says, then make rank 0's model calls until it stops. It prints
+    nothing; its errors name the rank. Ctrl-C and SIGTERM (torchrun passes them to every rank) are rank
+    0's to handle: it finishes (a server drains) and tells the others to stop, and if it dies instead
+    they see it gone."""
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, signal.SIG_IGN)
+    try:
+        order = await_load(ctx)
+        if order is not None:
+            follow(load_model(Path(order.path), args, order.batch_size, ctx), ctx)
+    except RankLostError:
+        raise
+    except USER_ERRORS as e:
+        raise CliError(f"rank {ctx.rank}: {one_error(e)}") from e
+    return 0
+
+
 # ------------------------------------------------------------------------------------ entry point
-_COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "score": cmd_score, "serve": cmd_serve, "check": cmd_check}
+_MODEL_COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "score": cmd_score, "serve": cmd_serve}
 
 
 # What a user can get wrong (dsv41.errors), and the files and devices around it.
@@ -598,7 +728,9 @@ def main(argv: list[str] | None = None) -> int:
             _device(args)                              # before anything is created or read
         if args.command == "inspect":
             return cmd_inspect(args, argv[argv.index("inspect") + 1:])
-        return _COMMANDS[args.command](args)
+        if args.command == "check":
+            return cmd_check(args)
+        return run_model_command(args)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return EXIT_INTERRUPTED

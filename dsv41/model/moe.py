@@ -123,12 +123,12 @@ class RoutedExperts(nn.Module):
         n, A = ids.shape
         token = torch.arange(n, device=x.device).repeat_interleave(A)
         expert, w = ids.flatten(), weights.flatten()
+        local = None
         if self.partial:
-            # expert parallelism: drop the pairs another rank owns (a data-dependent size)
+            # expert parallelism: pairs another rank owns become a sentinel expert E that sorts last,
+            # with weight 0, and are masked out below; no data-dependent size, so no host sync here
             local = expert >= 0
-            token, expert, w = token[local], expert[local], w[local]
-        if expert.numel() == 0:
-            return x.new_zeros(n, x.shape[1], dtype=torch.float32)
+            expert, w = torch.where(local, expert, self.n_experts), torch.where(local, w, 0.0)
         # Pairs in expert order: the grouped GEMM needs it, and the fp32 sum over a token's experts then
         # runs in ascending expert order, as the reference's expert loop adds them.
         order = torch.argsort(expert, stable=True)
@@ -136,9 +136,11 @@ class RoutedExperts(nn.Module):
         if self.numerics.quantized or self.numerics.invariant:
             out = self._per_expert(x[token], expert, w)
         elif expert.numel() < self.n_experts:
-            out = self._gathered(x[token], expert, w)
+            out = self._gathered(x[token], expert.clamp(max=self.n_experts - 1), w)
         else:
             out = self._grouped(x[token], expert, w)
+        if local is not None:
+            out = torch.where(local[order].unsqueeze(-1), out, 0.0)      # the sentinel's rows hold no result
         return torch.zeros(n, x.shape[1], device=x.device, dtype=torch.float32).index_add_(0, token, out.float())
 
     def _finish(self, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -148,8 +150,8 @@ class RoutedExperts(nn.Module):
     def _per_expert(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Pairs sorted by expert → outputs [P, D]: each expert with rows runs once over all of them, as
         the reference's expert loop does (a matmul per pair sums differently: docs/NUMERICS.md N7)."""
-        ends = torch.bincount(expert, minlength=self.n_experts).cumsum(0).tolist()
-        out = x.new_empty(x.shape[0], self.w2.out_features)
+        ends = torch.bincount(expert, minlength=self.n_experts).cumsum(0).tolist()[:self.n_experts]
+        out = x.new_zeros(x.shape[0], self.w2.out_features)
         start = 0
         for e, end in enumerate(ends):
             if end > start:
@@ -171,7 +173,7 @@ class RoutedExperts(nn.Module):
 
     def _grouped(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Pairs already sorted by expert → outputs [P, D] (one grouped GEMM per projection)."""
-        ends = torch.bincount(expert, minlength=self.n_experts).cumsum(0)
+        ends = torch.bincount(expert, minlength=self.n_experts).cumsum(0)[:self.n_experts]
         gate, up = self._grouped_mm(x, self.w1, ends), self._grouped_mm(x, self.w3, ends)
         return self._grouped_mm(self._finish(gate, up, w, x.dtype), self.w2, ends)
 
