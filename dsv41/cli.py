@@ -445,7 +445,8 @@ def encode_case(tokenizer, case, args) -> list[int]:
     return tokenizer.encode_prompt(text)
 
 
-def cmd_generate(args, models) -> int:
+def cmd_generate(args, models=None) -> int:
+    models = models or local_models(args)
     if args.effort is not None and not args.thinking:
         raise CliError("--effort sets the reasoning effort of thinking mode; add --thinking")
     cases = prompt_cases(args)
@@ -472,7 +473,8 @@ def cmd_generate(args, models) -> int:
 
 
 # ------------------------------------------------------------------------------------ chat
-def cmd_chat(args, models) -> int:
+def cmd_chat(args, models=None) -> int:
+    models = models or local_models(args)
     path = checkpoint_dir(args)
     tokenizer = Tokenizer.from_dir(path)
     session = ChatSession(args.system, args.thinking, parse_effort(args.effort))
@@ -545,7 +547,8 @@ def dump_logits(path: str, result, sequences) -> None:
         raise CliError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def cmd_score(args, models) -> int:
+def cmd_score(args, models=None) -> int:
+    models = models or local_models(args)
     if args.dump_logits and not Path(args.dump_logits).resolve().parent.is_dir():
         raise CliError(f"--dump-logits {args.dump_logits}: the directory {Path(args.dump_logits).parent} does not "
                        f"exist")
@@ -562,7 +565,8 @@ def cmd_score(args, models) -> int:
 
 
 # ------------------------------------------------------------------------------------ serve
-def cmd_serve(args, models) -> int:
+def cmd_serve(args, models=None) -> int:
+    models = models or local_models(args)
     import uvicorn
 
     from .server.app import ServerConfig, ServerState, create_app
@@ -620,15 +624,17 @@ class LoadOrder:
     batch_size: int
 
 
-def run_model_command(args) -> int:
-    """generate / chat / score / serve: in this process, or as one rank of the world torchrun started."""
+def run_parallel(args) -> int:
+    """generate / chat / score / serve as one rank of the world torchrun started."""
     world = launched_world_size()
     check_parallel_flags(args, world)
-    if world == 1:
-        return _MODEL_COMMANDS[args.command](args, local_models(args))
     ctx = join_world(args, world)
     try:
         return drive(args, ctx) if ctx.is_driver else follow_driver(args, ctx)
+    except RankLostError as e:
+        # a process group with a lost peer cannot be torn down (gloo's threads abort the process at
+        # exit): report and leave at once
+        exit_lost(e)
     finally:
         shutdown(ctx)
 
@@ -651,8 +657,9 @@ def join_world(args, world: int):
     except Exception as e:
         if not peer_failure(e):
             raise
-        raise RankLostError(f"rank {os.environ.get('RANK', '?')}: the {world} ranks did not all join within "
-                            f"{args.rank_timeout:g} s") from None
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise RankLostError(f"rank {os.environ.get('RANK', '?')}: the {world} ranks did not all join at {where} "
+                            f"within {args.rank_timeout:g} s") from None
 
 
 def drive(args, ctx) -> int:
@@ -666,7 +673,7 @@ def drive(args, ctx) -> int:
                 return driver.load(LoadOrder(str(path), batch_size),
                                    lambda: load_model(path, args, batch_size, ctx))
 
-            return _MODEL_COMMANDS[args.command](args, models)
+            return _COMMANDS[args.command](args, models)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -705,7 +712,8 @@ def follow_driver(args, ctx) -> int:
 
 
 # ------------------------------------------------------------------------------------ entry point
-_MODEL_COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "score": cmd_score, "serve": cmd_serve}
+_COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "score": cmd_score, "serve": cmd_serve, "check": cmd_check}
+PARALLEL_COMMANDS = frozenset({"generate", "chat", "score", "serve"})
 
 
 # What a user can get wrong (dsv41.errors), and the files and devices around it.
@@ -728,9 +736,11 @@ def main(argv: list[str] | None = None) -> int:
             _device(args)                              # before anything is created or read
         if args.command == "inspect":
             return cmd_inspect(args, argv[argv.index("inspect") + 1:])
-        if args.command == "check":
-            return cmd_check(args)
-        return run_model_command(args)
+        if args.command in PARALLEL_COMMANDS:
+            if launched_world_size() > 1:
+                return run_parallel(args)
+            check_parallel_flags(args, 1)
+        return _COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return EXIT_INTERRUPTED

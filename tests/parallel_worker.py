@@ -131,3 +131,38 @@ def layers_main(rank: int, world: int, port: int, out_dir: str) -> None:
         with open(os.path.join(out_dir, f"error-rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         raise
+
+
+def golden_main(rank: int, world: int, port: int, goldens, out_dir: str) -> None:
+    """dsv41 at TP = EP = world on each recorded config (the weights of `init_random_(model, seed)`,
+    written by rank 0 and loaded per rank); rank 0 saves each decode trace."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from dsv41.checkpoint.model_io import load_model, save_model
+    from dsv41.config import RuntimeConfig
+    from dsv41.model import Transformer
+    from dsv41.model.init import init_random_
+    from dsv41.parallel import init_parallel
+    from dsv41.parity import decode_trace
+    from test_golden import load_golden
+
+    try:
+        ctx = init_parallel(world, world, timeout_s=120)
+        for i, path in enumerate(goldens):
+            cfg, seed, prefill, want = load_golden(path)
+            runtime = RuntimeConfig(max_seq_len=2 * want["ids"].shape[1], kernels="blas")
+            directory = os.path.join(out_dir, f"ckpt{i}")
+            if rank == 0:
+                save_model(init_random_(Transformer(cfg, runtime), seed), directory)
+            dist.barrier()
+            model = load_model(directory, runtime, parallel=ctx, check_memory=False, progress=False)
+            trace = decode_trace(model, want["ids"], prefill)
+            if rank == 0:
+                torch.save({k: torch.cat(v) for k, v in trace.items() if v}, os.path.join(out_dir, f"trace{i}.pt"))
+    except Exception:
+        with open(os.path.join(out_dir, f"error-rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise

@@ -69,7 +69,8 @@ class SuccessorModel:
         self.calls.append(tuple(zip(step.starts, step.counts)))
         return ModelOutput(hidden=ids.float()[:, None], dspark_hidden=None)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, rows=None) -> torch.Tensor:
+        hidden = hidden if rows is None else hidden[torch.tensor(rows)]
         successor = (hidden[..., 0].long() + 1) % self.vocab
         return 10.0 * F.one_hot(successor, self.vocab).float()
 
@@ -253,8 +254,8 @@ def test_chunked_prefill_gives_the_same_greedy_tokens(fast_model, tok):
 
 def test_padded_vocabulary_is_never_sampled(tok):
     class Padded(SuccessorModel):
-        def logits(self, hidden):
-            out = super().logits(hidden)
+        def logits(self, hidden, rows=None):
+            out = super().logits(hidden, rows)
             out[..., -1] = 100.0                              # an id the tokenizer cannot decode
             return out
 

@@ -51,7 +51,9 @@ def test_a_greedy_message_is_the_engines_completion_of_the_reference_prompt(clie
     if thinking:
         assert reply.content[0].thinking == strip_specials(parsed["reasoning_content"] or "")
     assert "".join(b.text for b in reply.content if b.type == "text") == content
-    assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == expected.generated_tokens == 24
+    # the engine's own reason: the random demo may write EOS before the 24th token
+    assert reply.stop_reason == {"length": "max_tokens", "eos": "end_turn"}[expected.finish_reason]
+    assert reply.usage.output_tokens == expected.generated_tokens
     assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == len(ids)
 
 

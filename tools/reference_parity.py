@@ -25,6 +25,13 @@ What is compared:
 - dsv41's default invariant kernels, for information: how far exact-sum matmuls land from the
   reference's fp32 BLAS sums (max |Δ logit|, argmax agreement).
 
+`--world N` runs the cases at tensor parallelism N instead (N processes on gloo, dsv41 with
+TP = EP = N against the reference at MP = N, the same comparison): each side's bf16 partial sums, fp32
+all-reduces and all-gathers must agree bit for bit (docs/PARALLEL.md §4).
+
+With `--record DIR` a --world run records the reference's MP = N outputs the same way (file names end
+in `mpN`).
+
 `--record DIR` writes the reference's outputs for the cases marked `golden` (own keys) as safetensors
 files the test suite compares against (tests/test_golden.py).
 """
@@ -158,7 +165,8 @@ def copy_weights(ours: Transformer, ref: torch.nn.Module) -> None:
         parts = [(name, value)]
         if ".ffn.experts." in name:
             prefix, proj, kind = name.rsplit(".", 2)
-            parts = [(f"{prefix}.{e}.{proj}.{kind}", value[e]) for e in range(value.shape[0])]
+            first = ours.get_submodule(prefix.rpartition(".")[0]).expert_range[0]    # this rank's experts
+            parts = [(f"{prefix}.{first + e}.{proj}.{kind}", value[e]) for e in range(value.shape[0])]
         for ref_name, tensor in parts:
             dst = target[ref_name]
             if tuple(dst.shape) != tuple(tensor.shape):
@@ -235,6 +243,65 @@ def record(directory: Path, label: str, cfg: ModelConfig, seed: int, ids, prefil
     return path
 
 
+def parallel_case(rank: int, world: int, port: int, folder: Path, directory: Path, label: str, seed: int,
+                  tokens: int, prefill: int, semantics: str, out: Path, golden: Path | None) -> None:
+    """One rank of a --world run: dsv41's part loaded from `directory`, the reference's at MP = world."""
+    import os
+
+    from dsv41.checkpoint.model_io import load_model
+    from dsv41.parallel import init_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    ctx = init_parallel(world, world)
+    module = import_reference(folder)
+    runtime = RuntimeConfig(max_seq_len=2 * tokens, kernels="blas", stale_index_keys=semantics == "stale")
+    ours = load_model(directory, runtime, parallel=ctx, check_memory=False, progress=False)
+    ids = case_ids(ours.cfg, seed, tokens)
+    ties = TieRule()
+    theirs = run_reference(module, ours, ids, prefill, semantics, ties)
+    result = compare(decode_trace(ours, ids, prefill), theirs)
+    if rank == 0:
+        out.write_text(json.dumps(dict(result, changed=ties.changed, mismatched=ties.mismatched)))
+        if golden is not None:
+            print(f"  recorded {record(golden, f'{label} mp{world}', ours.cfg, seed, ids, prefill, theirs)}")
+
+
+def run_world(args, module_folder: Path) -> int:
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from dsv41.checkpoint.model_io import save_model
+
+    failures = 0
+    print(f"{'case':<22} {'keys':<5} {'seed':>4} {'MP':>3} {'bit-identical':>13} {'drafts':>6} {'max|Δ|':>8}")
+    for label in args.cases:
+        case = CASES[label]
+        cfg = ModelConfig(**case["config"])
+        tokens, prefill = case.get("tokens", args.tokens), case.get("prefill", args.prefill)
+        for semantics in SEMANTICS:
+            for seed in range(args.seeds):
+                with tempfile.TemporaryDirectory() as tmp:
+                    save_model(build_ours(cfg, seed, 2 * tokens, "blas", semantics), Path(tmp) / "ckpt")
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", 0))
+                        port = s.getsockname()[1]
+                    out = Path(tmp) / "result.json"
+                    mp.start_processes(parallel_case, nprocs=args.world, start_method="spawn",
+                                       args=(args.world, port, module_folder, Path(tmp) / "ckpt", label, seed,
+                                             tokens, prefill, semantics, out,
+                                             args.record if case.get("golden") and semantics == "own" else None))
+                    r = json.loads(out.read_text())
+                ok = r["exact"] and r["drafts_exact"] is not False and r["mismatched"] == 0
+                failures += not ok
+                print(f"{label:<22} {semantics:<5} {seed:>4} {args.world:>3} {str(r['exact']):>13} "
+                      f"{str(r['drafts_exact']):>6} {r['max_diff']:>8.3g}")
+    print("every case bit-identical" if not failures else f"{failures} case(s) differ")
+    return 1 if failures else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference", type=Path, required=True, help="the reference's inference folder")
@@ -243,8 +310,11 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill", type=int, default=60)
     parser.add_argument("--cases", nargs="*", default=list(CASES), help=f"cases to run (default: all of {list(CASES)})")
     parser.add_argument("--record", type=Path, metavar="DIR", help="write golden files of the golden cases here")
+    parser.add_argument("--world", type=int, default=1, help="tensor parallelism N: N processes on each side")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.world > 1:
+        return run_world(args, args.reference)
     module = import_reference(args.reference)
     header = (f"{'case':<22} {'keys':<5} {'seed':>4} {'bit-identical':>13} {'drafts':>6} {'ties':>5} "
               f"{'invariant max|Δ|':>16} {'argmax':>7}")

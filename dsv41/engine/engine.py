@@ -225,7 +225,7 @@ class Engine:
             picks += list(want)
         if not picks:
             return [None] * len(works)
-        logits = self.model.logits(hidden[torch.tensor(picks, device=hidden.device)]).float()
+        logits = self.model.logits(hidden, rows=picks).float()
         if self.vocab_limit < logits.shape[-1]:
             # a head wider than the tokenizer (a padded vocabulary) must not emit undecodable ids
             logits[:, self.vocab_limit:] = float("-inf")
@@ -320,7 +320,7 @@ class Engine:
         are then complete for a later speculative request that continues it)."""
         picks = [step.offsets[r] + i for r, k in enumerate(keep) for i in range(k)]
         kept = self.model.step(step.slots, step.starts, keep)
-        self.model.dspark_observe(dspark_hidden[torch.tensor(picks, device=dspark_hidden.device)], kept, self.cache)
+        self.model.dspark_observe(dspark_hidden, kept, self.cache, rows=picks)
 
 
 # ------------------------------------------------------------------------------------ constraints

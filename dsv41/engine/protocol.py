@@ -29,10 +29,12 @@ class ModelInterface(Protocol):
     def __call__(self, ids: torch.Tensor, step: Any, cache: Any) -> Any:
         """ids [N] → an output with `hidden` [N, D] and `dspark_hidden` [N, Dt] or None."""
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[M, D] → fp32 [M, V]."""
+    def logits(self, hidden: torch.Tensor, rows=None) -> torch.Tensor:
+        """[M, D] → fp32 [M, V]; with `rows` (indices into a forward's `hidden` [N, D]), only those rows.
+        The engine passes a forward's output whole with the rows it wants, so a model whose activations
+        live elsewhere (parallel/driver.py) needs to send only the row numbers."""
 
-    def dspark_observe(self, dspark_hidden: torch.Tensor, step: Any, cache: Any) -> None: ...
+    def dspark_observe(self, dspark_hidden: torch.Tensor, step: Any, cache: Any, *, rows=None) -> None: ...
 
     def dspark_draft(self, token: torch.Tensor, last_pos, cache: Any, choose=None, *, slots=None) -> Any:
         """token [B] → a draft with `ids` [B, k + 1] (the token, then k drafts)."""

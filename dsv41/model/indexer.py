@@ -173,7 +173,7 @@ class Indexer(nn.Module):
         self.weights_proj = ColumnParallelLinear(dim, n_heads, "bf16", numerics=numerics, device=device, dtype=dtype,
                                                  shard=parallel.shard("indexer.weights_proj"))
         # the heads' partial score sums are added over the TP group before any choice is made
-        self.heads_group = None if self.weights_proj.shard is None else self.weights_proj.shard.group
+        self.heads_shard = self.weights_proj.shard
         self.owns_keys = owns_keys
         if owns_keys:
             self.wk = Linear(head_dim, index_head_dim, "bf16", numerics=numerics, device=device, dtype=dtype)
@@ -213,9 +213,9 @@ class Indexer(nn.Module):
             logits = self.numerics.einsum("bthd,bcd->bthc", q, keys[:, start:end])          # [B, T, Hi, c]
             part = self.numerics.head_sum(logits.relu() * weights.unsqueeze(-1), 2)          # [B, T, c]
             del logits                                  # before the next tile's: one tile alive at a time
-            if self.heads_group is not None:
+            if self.heads_shard is not None:
                 # every rank then holds the same scores, so all make the same top-k choices
-                dist.all_reduce(part, group=self.heads_group)
+                dist.all_reduce(part, group=self.heads_shard.group)
             if len(tiles) == 1:
                 score = part
             else:

@@ -209,7 +209,7 @@ class MoE(nn.Module):
         self.n_experts, self.topk, self.route_scale, self.gate_temp = n_experts, n_activated, route_scale, gate_temp
         # expert parallelism: this rank's contiguous range; the others' outputs arrive in the all-reduce
         self.expert_range = parallel.expert_range(n_experts)
-        self.experts_group = parallel.ep_group if parallel.ep_size > 1 else None
+        self.experts_parallel, self.experts_group = parallel.ep_size > 1, parallel.ep_group
         kw = dict(numerics=numerics, device=device, dtype=dtype)
         self.gate = Router(dim, n_experts, vision=vision, device=device)
         local = self.expert_range[1] - self.expert_range[0]
@@ -229,7 +229,7 @@ class MoE(nn.Module):
         if self.experts.partial:
             ids = torch.where((ids >= lo) & (ids < hi), ids - lo, -1)
         y = self.experts(flat, weights, ids)                                  # fp32 [n, D]
-        if self.experts_group is not None:
+        if self.experts_parallel:
             dist.all_reduce(y, group=self.experts_group)                       # in fp32, as the reference (§13)
         y = y + self.shared_experts(flat).float()
         return y.to(x.dtype).view_as(x)

@@ -155,10 +155,14 @@ class Transformer(nn.Module):
         hidden = hyper.collapse(x, pre)[0]
         return ModelOutput(hidden=hidden, dspark_hidden=torch.cat(targets, dim=-1)[0] if targets else None)
 
-    def dspark_observe(self, dspark_hidden: torch.Tensor, step: Step | int, cache: ModelCache) -> None:
+    def dspark_observe(self, dspark_hidden: torch.Tensor, step: Step | int, cache: ModelCache, *,
+                       rows=None) -> None:
         """Feed the DSpark rings the main rows of a step's tokens (`ModelOutput.dspark_hidden` [N, Dt]), or
-        of every slot from an int start position ([B, T, Dt])."""
+        of every slot from an int start position ([B, T, Dt]); `rows`: the rows of an [N, Dt] output that
+        are the step's tokens (all when None)."""
         self._need_dspark()
+        if rows is not None:
+            dspark_hidden = dspark_hidden[torch.as_tensor(rows, dtype=torch.long, device=dspark_hidden.device)]
         if not isinstance(step, Step):
             B, T = dspark_hidden.shape[:2]
             step, dspark_hidden = self.step(range(B), (step,) * B, (T,) * B), dspark_hidden.flatten(0, 1)
@@ -183,8 +187,10 @@ class Transformer(nn.Module):
         if not self.cfg.dspark_enabled:
             raise InputError("this model has no DSpark stages (n_mtp_layers / dspark_block_size are 0)")
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [..., V] of the hidden states given (slice the positions you need first)."""
+    def logits(self, hidden: torch.Tensor, rows=None) -> torch.Tensor:
+        """fp32 logits [..., V] of the hidden states given, or of `rows` of an [N, D] output ([len(rows), V])."""
+        if rows is not None:
+            hidden = hidden[torch.as_tensor(rows, dtype=torch.long, device=hidden.device)]
         return self.head(self.norm(hidden))
 
     def _check_ids(self, ids: torch.Tensor) -> None:

@@ -45,7 +45,7 @@ class Engram(nn.Module):
         parallel = parallel or ParallelContext()
         rows = cfg.engram_num_embeddings[engram_index]
         # tensor parallelism: this rank's rows; the ranks' lookups are summed in `forward`
-        self.rows_group = parallel.tp_group if parallel.tp_size > 1 else None
+        self.rows_parallel, self.rows_group = parallel.tp_size > 1, parallel.tp_group
         self.layer_id, self.numerics = cfg.engram_layer_ids[engram_index], numerics
         self.streams, self.dim, self.eps = cfg.hc_mult, cfg.dim, cfg.norm_eps  # eps 1e-20 (§6.7, trap 3)
         self.n_columns, self.head_dim = cfg.engram_hash_columns, cfg.engram_head_dim
@@ -70,7 +70,7 @@ class Engram(nn.Module):
     def forward(self, x: torch.Tensor, rows: torch.Tensor, text_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x bf16 [B, T, S, D], rows bf16 [B, T, N·De], text_mask [B, T] (False = image) -> [B, T, S, D]."""
         S, D = self.streams, self.dim
-        if self.rows_group is not None:
+        if self.rows_parallel:
             # each row lives on one rank and reads zeros elsewhere: the bf16 sum is that row, exactly.
             # Here, not in `gather`, which may run on a background thread beside the blocks' collectives.
             rows = rows.contiguous()
