@@ -103,6 +103,27 @@ def test_score_with_expert_parallelism_is_bit_identical(env, tmp_path):
     assert outs[1] == "" and errs[1] == ""
 
 
+def test_two_nodes_meet_through_the_c10d_rendezvous(env, tmp_path):
+    """Two torchrun agents (--nnodes 2, one rank each) as two machines would start them; node 0's rank
+    prints the one-process output."""
+    alone = single(env, "generate", *GREEDY, *FAST)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+                               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                               "--rdzv-id", "dsv41-test", "-m", "dsv41", "generate", *GREEDY, *FAST],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                              stdin=subprocess.DEVNULL) for n in range(2)]
+    try:
+        results = [node.communicate(timeout=RUN_TIMEOUT_S) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], results
+    printed = [out for out, _ in results]
+    assert alone.stdout in printed and printed.count("") == 1     # one rank printed, the other nothing
+
+
 def test_a_failed_load_is_reported_by_each_rank_as_itself(env, tmp_path):
     status, outs, errs = torchrun(env, tmp_path, "generate", "hi", "--max-context", "999999", ok=False)
     assert status != 0

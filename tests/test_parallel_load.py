@@ -82,3 +82,14 @@ def test_a_context_checks_its_own_sizes():
         ParallelContext(rank=0, world_size=4, tp_size=3)
     with pytest.raises(ValueError, match="rank 4 is not in a world of 4"):
         ParallelContext(rank=4, world_size=4)
+
+
+def test_a_rank_part_is_not_saved_as_a_checkpoint(demo_dir, tmp_path):
+    from dsv41.checkpoint import CheckpointError
+    from dsv41.checkpoint.model_io import save_model
+
+    part = load_model(demo_dir, RUNTIME, check_memory=False,
+                      parallel=ParallelContext(rank=1, world_size=2, tp_size=2, ep_size=2))
+    with pytest.raises(CheckpointError, match="the part of rank 1 of 2"):
+        save_model(part, tmp_path / "out")
+    assert not (tmp_path / "out").exists()                     # nothing written

@@ -387,6 +387,11 @@ def _check_stored(spec: TensorSpec, weight: torch.Tensor) -> None:
 def save_model(model, directory: str | Path, *, tokenizer: str | Path | None = None,
                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Write config.json, the shards + index in the released layout, and the tokenizer files."""
+    parallel = getattr(model, "parallel", None)
+    if parallel is not None and (parallel.tp_size > 1 or parallel.ep_size > 1):
+        # a rank holds a slice; the released layout stores whole tensors
+        raise CheckpointError(f"save_model writes whole tensors; this model is the part of {parallel.describe()}: "
+                              f"load the checkpoint in one process to save it")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_checkpoint(directory, stored_tensors(model, model.cfg), max_shard_bytes=max_shard_bytes)
