@@ -267,6 +267,17 @@ def parallel_case(rank: int, world: int, port: int, folder: Path, directory: Pat
             print(f"  recorded {record(golden, f'{label} mp{world}', ours.cfg, seed, ids, prefill, theirs)}")
 
 
+def _runs(args):
+    """(label, case, config, tokens, prefill, index-key semantics, seed) of every run asked for."""
+    for label in args.cases:
+        case = CASES[label]
+        cfg = ModelConfig(**case["config"])
+        tokens, prefill = case.get("tokens", args.tokens), case.get("prefill", args.prefill)
+        for semantics in SEMANTICS:
+            for seed in range(args.seeds):
+                yield label, case, cfg, tokens, prefill, semantics, seed
+
+
 def run_world(args, module_folder: Path) -> int:
     import socket
     import tempfile
@@ -277,27 +288,22 @@ def run_world(args, module_folder: Path) -> int:
 
     failures = 0
     print(f"{'case':<22} {'keys':<5} {'seed':>4} {'MP':>3} {'bit-identical':>13} {'drafts':>6} {'max|Δ|':>8}")
-    for label in args.cases:
-        case = CASES[label]
-        cfg = ModelConfig(**case["config"])
-        tokens, prefill = case.get("tokens", args.tokens), case.get("prefill", args.prefill)
-        for semantics in SEMANTICS:
-            for seed in range(args.seeds):
-                with tempfile.TemporaryDirectory() as tmp:
-                    save_model(build_ours(cfg, seed, 2 * tokens, "blas", semantics), Path(tmp) / "ckpt")
-                    with socket.socket() as s:
-                        s.bind(("127.0.0.1", 0))
-                        port = s.getsockname()[1]
-                    out = Path(tmp) / "result.json"
-                    mp.start_processes(parallel_case, nprocs=args.world, start_method="spawn",
-                                       args=(args.world, port, module_folder, Path(tmp) / "ckpt", label, seed,
-                                             tokens, prefill, semantics, out,
-                                             args.record if case.get("golden") and semantics == "own" else None))
-                    r = json.loads(out.read_text())
-                ok = r["exact"] and r["drafts_exact"] is not False and r["mismatched"] == 0
-                failures += not ok
-                print(f"{label:<22} {semantics:<5} {seed:>4} {args.world:>3} {str(r['exact']):>13} "
-                      f"{str(r['drafts_exact']):>6} {r['max_diff']:>8.3g}")
+    for label, case, cfg, tokens, prefill, semantics, seed in _runs(args):
+        with tempfile.TemporaryDirectory() as tmp:
+            save_model(build_ours(cfg, seed, 2 * tokens, "blas", semantics), Path(tmp) / "ckpt")
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            out = Path(tmp) / "result.json"
+            mp.start_processes(parallel_case, nprocs=args.world, start_method="spawn",
+                               args=(args.world, port, module_folder, Path(tmp) / "ckpt", label, seed, tokens,
+                                     prefill, semantics, out,
+                                     args.record if case.get("golden") and semantics == "own" else None))
+            r = json.loads(out.read_text())
+        ok = r["exact"] and r["drafts_exact"] is not False and r["mismatched"] == 0
+        failures += not ok
+        print(f"{label:<22} {semantics:<5} {seed:>4} {args.world:>3} {str(r['exact']):>13} "
+              f"{str(r['drafts_exact']):>6} {r['max_diff']:>8.3g}")
     print("every case bit-identical" if not failures else f"{failures} case(s) differ")
     return 1 if failures else 0
 
@@ -320,26 +326,21 @@ def main(argv=None) -> int:
               f"{'invariant max|Δ|':>16} {'argmax':>7}")
     print(header)
     failures = 0
-    for label in args.cases:
-        case = CASES[label]
-        cfg = ModelConfig(**case["config"])
-        tokens, prefill = case.get("tokens", args.tokens), case.get("prefill", args.prefill)
-        for semantics in SEMANTICS:
-            for seed in range(args.seeds):
-                ids = case_ids(cfg, seed, tokens)
-                blas = build_ours(cfg, seed, 2 * tokens, "blas", semantics)
-                ties = TieRule()
-                theirs = run_reference(module, blas, ids, prefill, semantics, ties)
-                exact = compare(decode_trace(blas, ids, prefill), theirs)
-                invariant = compare(decode_trace(build_ours(cfg, seed, 2 * tokens, "invariant", semantics), ids, prefill),
-                                    theirs)
-                ok = exact["exact"] and exact["drafts_exact"] is not False and ties.mismatched == 0
-                failures += not ok
-                print(f"{label:<22} {semantics:<5} {seed:>4} {str(exact['exact']):>13} "
-                      f"{str(exact['drafts_exact']):>6} {ties.changed:>5} {invariant['max_diff']:>16.3g} "
-                      f"{invariant['argmax']:>7.3f}" + ("" if ties.mismatched == 0 else f"  NOT A TIE: {ties.mismatched}"))
-                if args.record and case.get("golden") and semantics == "own":
-                    print(f"  recorded {record(args.record, label, cfg, seed, ids, prefill, theirs)}")
+    for label, case, cfg, tokens, prefill, semantics, seed in _runs(args):
+        ids = case_ids(cfg, seed, tokens)
+        blas = build_ours(cfg, seed, 2 * tokens, "blas", semantics)
+        ties = TieRule()
+        theirs = run_reference(module, blas, ids, prefill, semantics, ties)
+        exact = compare(decode_trace(blas, ids, prefill), theirs)
+        invariant = compare(decode_trace(build_ours(cfg, seed, 2 * tokens, "invariant", semantics), ids, prefill),
+                            theirs)
+        ok = exact["exact"] and exact["drafts_exact"] is not False and ties.mismatched == 0
+        failures += not ok
+        print(f"{label:<22} {semantics:<5} {seed:>4} {str(exact['exact']):>13} "
+              f"{str(exact['drafts_exact']):>6} {ties.changed:>5} {invariant['max_diff']:>16.3g} "
+              f"{invariant['argmax']:>7.3f}" + ("" if ties.mismatched == 0 else f"  NOT A TIE: {ties.mismatched}"))
+        if args.record and case.get("golden") and semantics == "own":
+            print(f"  recorded {record(args.record, label, cfg, seed, ids, prefill, theirs)}")
     print("every case bit-identical" if not failures else f"{failures} case(s) differ")
     return 1 if failures else 0
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .layers import Linear, quantized_linear, stored_dtypes, weight_shapes
