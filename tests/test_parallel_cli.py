@@ -124,6 +124,54 @@ def test_two_nodes_meet_through_the_c10d_rendezvous(env, tmp_path):
     assert alone.stdout in printed and printed.count("") == 1     # one rank printed, the other nothing
 
 
+def _serve_one_request(env, launcher: list[str], body: dict, stop: signal.Signals) -> tuple[dict, int]:
+    """Start `dsv41 serve` with `launcher`, send one chat completion, stop it with `stop`; → (the reply,
+    the launcher's exit status)."""
+    import httpx2
+
+    port = _free_port()
+    server = subprocess.Popen([*launcher, "-m", "dsv41", "serve", "--port", str(port), "--max-context", "512", *FAST],
+                              env=env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + RUN_TIMEOUT_S
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx2.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx2.TransportError:
+                time.sleep(0.2)
+        name = httpx2.get(url + "/v1/models").json()["data"][0]["id"]
+        reply = httpx2.post(url + "/v1/chat/completions", json=dict(body, model=name), timeout=60).json()
+        server.send_signal(stop)
+        status = server.wait(RUN_TIMEOUT_S)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    return reply, status
+
+
+def test_serve_under_torchrun_answers_like_one_process_and_stops_cleanly(env, tmp_path):
+    """Rank 0 serves: a greedy chat completion equals one process's (Ctrl-C ends that one, exit 0).
+    SIGTERM to torchrun: the agent passes it on and reports it (its own exit status says so), rank 0
+    drains and stops the follower, and both ranks exit 0 without a traceback, the follower silent."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "temperature": 0, "thinking": {"type": "disabled"}}
+    logs = tmp_path / "logs"
+    alone, status = _serve_one_request(env, [sys.executable], body, signal.SIGINT)
+    assert status == 0
+    parallel, _ = _serve_one_request(env, [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                                        "--log-dir", str(logs), "--redirects", "3"], body, signal.SIGTERM)
+    assert "choices" in parallel, parallel
+    assert parallel["choices"][0]["message"] == alone["choices"][0]["message"]
+    assert parallel["usage"] == alone["usage"] and parallel["usage"]["completion_tokens"] > 0
+    assert "".join(p.read_text() for p in logs.glob("*/attempt_0/1/std*.log")) == ""
+    rank0 = "".join(p.read_text() for p in logs.glob("*/attempt_0/0/stderr.log"))
+    assert "Application shutdown complete" in rank0 and "Traceback" not in rank0
+
+
 def test_a_failed_load_is_reported_by_each_rank_as_itself(env, tmp_path):
     status, outs, errs = torchrun(env, tmp_path, "generate", "hi", "--max-context", "999999", ok=False)
     assert status != 0
