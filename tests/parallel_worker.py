@@ -54,6 +54,17 @@ def probe(model) -> dict:
     return out
 
 
+def finish(ctx) -> None:
+    """Every rank done, then the process group torn down: a rank leaving with its gloo group alive can be
+    aborted at exit ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    from dsv41.parallel import shutdown
+
+    dist.barrier()
+    shutdown(ctx)
+
+
 def runtime(numerics: str):
     from dsv41.config import RuntimeConfig
 
@@ -66,7 +77,7 @@ def rank_main(rank: int, world: int, port: int, directory: str, layouts, numeric
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from dsv41.checkpoint.model_io import load_model
-    from dsv41.parallel import init_parallel, shutdown
+    from dsv41.parallel import init_parallel
 
     try:
         for tp, ep in layouts:
@@ -77,7 +88,7 @@ def rank_main(rank: int, world: int, port: int, directory: str, layouts, numeric
                 result["held"] = {n: t.shape for n, t in model.state_dict().items()}
                 if rank == 0:
                     torch.save(result, os.path.join(out_dir, f"tp{tp}-ep{ep}-{numerics}.pt"))
-        shutdown(ctx)
+        finish(ctx)
     except Exception:
         with open(os.path.join(out_dir, f"error-rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
@@ -98,7 +109,7 @@ def layers_main(rank: int, world: int, port: int, out_dir: str) -> None:
     from dsv41.parallel import Shard, init_parallel
 
     try:
-        init_parallel(world, world, timeout_s=60)
+        ctx = init_parallel(world, world, timeout_s=60)
         gen = torch.Generator().manual_seed(7)
         x = torch.randn(5, 128, generator=gen).to(torch.bfloat16)
         weight, scale = formats.quantize_fp8_weight(torch.randn(64, 128, generator=gen) / 8)
@@ -127,6 +138,7 @@ def layers_main(rank: int, world: int, port: int, out_dir: str) -> None:
                    head=head(embed(ids).float()), table=table_w, engram=looked)
         if rank == 0:
             torch.save(out, os.path.join(out_dir, "layers.pt"))
+        finish(ctx)
     except Exception:
         with open(os.path.join(out_dir, f"error-rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
@@ -162,6 +174,7 @@ def golden_main(rank: int, world: int, port: int, goldens, out_dir: str) -> None
             trace = decode_trace(model, want["ids"], prefill)
             if rank == 0:
                 torch.save({k: torch.cat(v) for k, v in trace.items() if v}, os.path.join(out_dir, f"trace{i}.pt"))
+        finish(ctx)
     except Exception:
         with open(os.path.join(out_dir, f"error-rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
