@@ -35,14 +35,6 @@ STATS = re.compile(r"prompt (\d+) tokens(?: \((\d+) cached\))?, generated (\d+) 
                    r"(?:accepted \d+/\d+ drafts, )?finish: (eos|stop|length|context)")
 
 
-@pytest.fixture(scope="session")
-def cli_env(demo_dir):
-    env = dict(os.environ, DSV41_CACHE=str(demo_dir.parent), OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.pop("DSV41_DEBUG", None)
-    return env
-
-
 @pytest.fixture
 def in_process_env(demo_dir, monkeypatch):
     monkeypatch.setenv("DSV41_CACHE", str(demo_dir.parent))

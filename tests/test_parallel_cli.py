@@ -10,7 +10,6 @@ one with a signal once a chat turn has run, and time how long the other takes to
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -42,12 +41,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def env(demo_dir):
+def env(cli_env):
     """The session's demo (built before any rank starts) and one intra-op thread per process."""
-    env = dict(os.environ, DSV41_CACHE=str(demo_dir.parent), OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.pop("DSV41_DEBUG", None)
-    return env
+    return cli_env
 
 
 def single(env, *args) -> subprocess.CompletedProcess:

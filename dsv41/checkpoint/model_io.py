@@ -166,8 +166,7 @@ def _cut(name: str, model: nn.Module) -> tuple[int, int] | None:
 def _first_expert(name: str, model: nn.Module) -> tuple[int, int]:
     """(index of the stack's first expert, experts of every rank) for a stacked expert tensor."""
     moe = model.get_submodule(EXPERT_STACK.match(name)["prefix"].rpartition(".")[0])
-    lo, hi = moe.expert_range
-    return lo, moe.n_experts
+    return moe.expert_range[0], moe.n_experts
 
 
 def _plan(tensors: dict[str, torch.Tensor], ckpt: CheckpointDir, model: nn.Module):
