@@ -3,7 +3,8 @@
 Measures, on the same cache state: one single-token decode step, one DSpark draft (Bs rows through the
 stages + the Markov chain), and one (Bs + 1)-row verify pass with its snapshot and rollback. From these,
 the speed-up over plain decoding at a mean accepted length L (tokens committed per verify pass) is
-L · t_decode / (t_draft + t_verify). The demo's weights are random, so its real acceptance is ~0; the
+L · t_decode / (t_draft + t_verify). The random demo's real acceptance is ~0 (the trained demo's is measured by
+bench_demo_speculative.py); the
 release reports L ≈ 2.5–3.3 (docs/GENERATION-AND-DSPARK.md §5). Run: python benchmarks/bench_speculative.py
 """
 

@@ -25,7 +25,7 @@ import torch
 from . import __version__, load
 from .chat import encode_messages
 from .config import RuntimeConfig
-from .demo import ensure_demo_checkpoint
+from .demo import default_checkpoint
 from .engine.engine import GenerationConfig, generate_all
 from .engine.request import check_prompts
 from .repl import ChatSession, echo_to, input_lines, parse_effort, run_chat
@@ -35,6 +35,7 @@ from .errors import RankLostError, UserError
 from .parallel.driver import Driver, await_load, follow, peer_failure
 from .parallel.launch import DEFAULT_TIMEOUT_S, init_parallel, launched_world_size, rank_device, shutdown
 from .tokenizer import Tokenizer
+from .training import command as training_command
 
 EXIT_USAGE = 2
 EXIT_BUG = 1
@@ -60,7 +61,8 @@ class CliError(UserError):
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--checkpoint", metavar="DIR",
-                   help="released-layout checkpoint directory (default: the built-in demo, random weights)")
+                   help="released-layout checkpoint directory (default: the built-in trained demo; DSV41_DEMO=random: the "
+                        "random-weight one)")
     g.add_argument("--numerics", choices=("reference", "fast"), default="reference",
                    help="reference: the release's fp8/fp4 numerics; fast: dequantised weights (default: reference)")
     g.add_argument("--kernels", choices=("invariant", "blas"), default=None,
@@ -96,8 +98,7 @@ def _add_parallel_options(p: argparse.ArgumentParser) -> None:
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
-                   help=f"(default: {DEFAULT_MAX_NEW_TOKENS}; {DEMO_MAX_NEW_TOKENS} on the built-in demo, whose random "
-                        f"weights say nothing worth waiting for)")
+                   help=f"(default: {DEFAULT_MAX_NEW_TOKENS}; {DEMO_MAX_NEW_TOKENS} on the built-in demo models)")
     g.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
                    help=f"0 = greedy (default: {DEFAULT_TEMPERATURE})")
     g.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help=f"(default: {DEFAULT_TOP_P})")
@@ -257,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dsv41 {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also DSV41_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_generate_parser, _chat_parser, _score_parser, _serve_parser, _check_parser, _inspect_parser):
+    for add in (_generate_parser, _chat_parser, _score_parser, _serve_parser, _check_parser, _inspect_parser,
+                training_command.add_parser):
         add(sub)
     return parser
 
@@ -269,8 +271,8 @@ def _note(message: str) -> None:
 
 def checkpoint_dir(args) -> Path:
     if args.checkpoint is None:
-        path = ensure_demo_checkpoint()
-        _note(f"note: using the built-in demo model at {path}; its weights are random, so its text is not language")
+        path, note = default_checkpoint()
+        _note(f"note: {note}")
         return path
     path = Path(args.checkpoint)
     if path.is_file():
@@ -712,7 +714,8 @@ def follow_driver(args, ctx) -> int:
 
 
 # ------------------------------------------------------------------------------------ entry point
-_COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "score": cmd_score, "serve": cmd_serve, "check": cmd_check}
+_COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "score": cmd_score, "serve": cmd_serve, "check": cmd_check,
+             "train": training_command.cmd_train}
 PARALLEL_COMMANDS = frozenset({"generate", "chat", "score", "serve"})
 
 

@@ -1,4 +1,11 @@
-"""The built-in demo model: a small DeepSeek-V4.1-architecture checkpoint with random weights.
+"""The built-in demo models: a trained one shipped with the package, and a random-weight one made on demand.
+
+The trained demo (`dsv41/demo_model/`, the default model of every command) is a 4.9M-parameter
+V4.1-architecture model trained on Shakespeare by `tools/train_demo.py` (docs/TRAINING.md §7). The
+random demo below is what the test suite and the benchmarks run: its choices bind and tie everywhere.
+`DSV41_DEMO=random` makes it the commands' default.
+
+The random demo: a small DeepSeek-V4.1-architecture checkpoint with random weights.
 
 It covers every layer role of the release (window layers, ratio-2 and ratio-1 kv sources and their
 consumers, index sources, the candidate source and a candidate user, two Engram layers, 4 streams, MoE
@@ -11,32 +18,18 @@ Its weights are random: its text is not language.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from .chat import encoding
+from .errors import UserError
+from .tokenizer import SPECIAL_TOKENS, save_tokenizer, train_bpe
 
 DEMO_NAME = "demo-v3"
 DEMO_SEED = 20261129
 DEMO_VOCAB = 1024
-# The vocabulary is filled up to a multiple of this with reserved placeholder tokens, as DeepSeek's
-# tokenizers are, so that it cuts into 1, 2, 4 or 8 tensor-parallel parts (docs/CHECKPOINT.md §5).
-VOCAB_MULTIPLE = 64
-# Prompt-format special tokens (docs/TOKENIZER-AND-CHAT.md §1.1); BOS, EOS and pad take ids 0, 1, 2 as released.
-SPECIAL_TOKENS = [
-    encoding.BOS, encoding.EOS, "<｜▁pad▁｜>", encoding.SYSTEM, encoding.USER, encoding.ASSISTANT,
-    encoding.LATEST_REMINDER, encoding.THINK_START, encoding.THINK_END, encoding.DSML, encoding.IMAGE_PLACEHOLDER,
-    "<｜action｜>", "<｜query｜>", "<｜authority｜>", "<｜domain｜>", "<｜title｜>", "<｜read_url｜>",
-]
-# Pre-tokenizer splits of the released tokenizer (docs/TOKENIZER-AND-CHAT.md §1), then byte level.
-_SPLITS = (
-    r"\p{N}{1,3}",
-    r"[一-龥぀-ゟ゠-ヿ]+",
-    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
-)
 _CORPUS = """\
 DeepSeek-V4.1 carries its residual stream as four parallel streams. Each block reads the streams with a
 learned mix, runs attention or a mixture of experts, and writes back through a doubly stochastic matrix
@@ -89,19 +82,7 @@ def demo_config_dict(vocab_size: int, compressed_vocab_size: int) -> dict:
 def train_tokenizer():
     """A byte-level BPE (at most DEMO_VOCAB tokens: the corpus is small) with the release's pre-tokenizer
     and special tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in _SPLITS]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=DEMO_VOCAB, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
-    tokenizer.add_special_tokens([f"<｜place▁holder▁no▁{i}｜>" for i in range(-size % VOCAB_MULTIPLE)])
-    return tokenizer
+    return train_bpe([_CORPUS] * 4, DEMO_VOCAB)
 
 
 def cache_root() -> Path:
@@ -128,10 +109,7 @@ def create_demo_checkpoint(directory: Path) -> Path:
     with torch.no_grad():
         model = init_random_(Transformer(cfg, RuntimeConfig(max_seq_len=256)), DEMO_SEED)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"add_bos_token": False, "add_eos_token": False, "bos_token": encoding.BOS, "eos_token": encoding.EOS,
-         "model_max_length": 4096}, ensure_ascii=False, indent=2) + "\n")
+    save_tokenizer(tokenizer, directory)
     save_model(model, directory, max_shard_bytes=4 << 20)
     (directory / "DEMO.md").write_text("Random-weight DeepSeek-V4.1-architecture demo made by dsv41. Its text is not language.\n")
     return directory
@@ -154,3 +132,23 @@ def ensure_demo_checkpoint() -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+TRAINED_DEMO = Path(__file__).resolve().parent / "demo_model"
+DEMO_CHOICES = ("trained", "random")
+
+
+def default_checkpoint() -> tuple[Path, str]:
+    """(the commands' default checkpoint, a note saying which it is): the trained demo, or with
+    DSV41_DEMO=random the random-weight demo."""
+    choice = os.environ.get("DSV41_DEMO", "trained")
+    if choice not in DEMO_CHOICES:
+        raise UserError(f"DSV41_DEMO={choice!r}: expected one of {', '.join(DEMO_CHOICES)}")
+    if choice == "random":
+        path = ensure_demo_checkpoint()
+        return path, f"using the random-weight demo model at {path}; its text is not language"
+    if not (TRAINED_DEMO / "model.safetensors.index.json").is_file():
+        raise UserError(f"the trained demo is missing from this installation ({TRAINED_DEMO}); reinstall dsv41, "
+                        f"or set DSV41_DEMO=random for the random-weight demo")
+    return TRAINED_DEMO, ("using the built-in demo: a 4.9M-parameter DeepSeek-V4.1-architecture model trained on "
+                          "Shakespeare (docs/TRAINING.md)")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _Backend
 
+from .chat import encoding
 from .chat.encoding import BOS, EOS
 from .errors import UserError
 
@@ -19,6 +20,53 @@ TOKENIZER_FILE = "tokenizer.json"
 # What byte-level decoding yields for a UTF-8 sequence cut short: a streamed piece ending in it is held
 # back until the next token completes the character.
 REPLACEMENT_CHAR = "\ufffd"
+
+
+# The vocabulary is filled up to a multiple of this with reserved placeholder tokens, as DeepSeek's
+# tokenizers are, so that it cuts into 1, 2, 4 or 8 tensor-parallel parts (docs/CHECKPOINT.md §5).
+VOCAB_MULTIPLE = 64
+# Prompt-format special tokens (docs/TOKENIZER-AND-CHAT.md §1.1); BOS, EOS and pad take ids 0, 1, 2 as released.
+SPECIAL_TOKENS = [
+    encoding.BOS, encoding.EOS, "<｜▁pad▁｜>", encoding.SYSTEM, encoding.USER, encoding.ASSISTANT,
+    encoding.LATEST_REMINDER, encoding.THINK_START, encoding.THINK_END, encoding.DSML, encoding.IMAGE_PLACEHOLDER,
+    "<｜action｜>", "<｜query｜>", "<｜authority｜>", "<｜domain｜>", "<｜title｜>", "<｜read_url｜>",
+]
+# Pre-tokenizer splits of the released tokenizer (docs/TOKENIZER-AND-CHAT.md §1), then byte level.
+PRETOKENIZER_SPLITS = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+)
+
+
+def train_bpe(texts, vocab_size: int) -> _Backend:
+    """A byte-level BPE of at most `vocab_size` learned tokens, trained with `tokenizers` on an iterable of
+    texts, with the release's pre-tokenizer splits and special tokens; the vocabulary is then padded with
+    placeholder tokens to a multiple of VOCAB_MULTIPLE."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = _Backend(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in PRETOKENIZER_SPLITS]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    tokenizer.add_special_tokens([f"<｜place▁holder▁no▁{i}｜>" for i in range(-size % VOCAB_MULTIPLE)])
+    return tokenizer
+
+
+def save_tokenizer(backend: _Backend, directory: str | Path) -> None:
+    """tokenizer.json and a tokenizer_config.json that adds no BOS / EOS, as the release ships them (§1)."""
+    import json
+
+    directory = Path(directory)
+    backend.save(str(directory / TOKENIZER_FILE))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"add_bos_token": False, "add_eos_token": False, "bos_token": BOS, "eos_token": EOS,
+         "model_max_length": 4096}, ensure_ascii=False, indent=2) + "\n")
 
 
 class TokenizerError(UserError):

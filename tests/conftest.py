@@ -103,11 +103,11 @@ def live_speculative(start_server):
 
 @pytest.fixture(scope="session")
 def cli_env(demo_dir):
-    """The environment of a `python -m dsv41` subprocess: the session's demo, this checkout on the path,
-    one intra-op thread, no --debug."""
+    """The environment of a `python -m dsv41` subprocess: the session's random demo as the default model
+    (its choices bind and tie), this checkout on the path, one intra-op thread, no --debug."""
     from pathlib import Path
 
-    env = dict(os.environ, DSV41_CACHE=str(demo_dir.parent), OMP_NUM_THREADS="1")
+    env = dict(os.environ, DSV41_CACHE=str(demo_dir.parent), DSV41_DEMO="random", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
     env.pop("DSV41_DEBUG", None)
     return env

@@ -279,6 +279,7 @@ def test_inspect_never_calls_a_broken_directory_fine(demo_dir, tmp_path, capsys)
 
 def test_show_plan_prints_it_and_skip_memory_check_loads_anyway(demo_dir, capsys, monkeypatch):
     monkeypatch.setenv("DSV41_CACHE", str(demo_dir.parent))
+    monkeypatch.setenv("DSV41_DEMO", "random")
     argv = ["generate", "hi", "--max-new-tokens", "1", "--numerics", "fast", "--show-plan"]
     assert cli.main(argv) == 0
     err = capsys.readouterr().err

@@ -38,6 +38,7 @@ STATS = re.compile(r"prompt (\d+) tokens(?: \((\d+) cached\))?, generated (\d+) 
 @pytest.fixture
 def in_process_env(demo_dir, monkeypatch):
     monkeypatch.setenv("DSV41_CACHE", str(demo_dir.parent))
+    monkeypatch.setenv("DSV41_DEMO", "random")
 
 
 def dsv41_cmd(env, *args, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -66,7 +67,7 @@ def cached(stderr: str) -> list[int]:
 def test_generate_prompt_argument_matches_the_engine(cli_env, demo_dir):
     run = dsv41_cmd(cli_env, "generate", "Hello, who are you?", "--max-new-tokens", "5", "--temperature", "0")
     assert run.returncode == 0, run.stderr
-    assert "weights are random" in run.stderr
+    assert "its text is not language" in run.stderr
     [(prompt_tokens, generated, _)] = stats(run.stderr)
     # the same request in-process: chat-encoded, greedy
     tok = Tokenizer.from_dir(demo_dir)

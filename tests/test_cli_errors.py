@@ -28,6 +28,7 @@ from dsv41.tokenizer import Tokenizer
 @pytest.fixture
 def demo_env(demo_dir, monkeypatch):
     monkeypatch.setenv("DSV41_CACHE", str(demo_dir.parent))
+    monkeypatch.setenv("DSV41_DEMO", "random")
     monkeypatch.delenv("DSV41_DEBUG", raising=False)
     return demo_dir
 
@@ -150,7 +151,7 @@ def test_user_errors_are_their_own_types():
 
 
 def test_closed_pipe_is_quiet(demo_dir):
-    env = dict(os.environ, DSV41_CACHE=str(demo_dir.parent), OMP_NUM_THREADS="1")
+    env = dict(os.environ, DSV41_CACHE=str(demo_dir.parent), DSV41_DEMO="random", OMP_NUM_THREADS="1")
     env.pop("DSV41_DEBUG", None)
     proc = subprocess.Popen(f"{sys.executable} -m dsv41 generate hi --max-new-tokens 40 --ignore-eos "
                             "--numerics fast | head -c 1", shell=True, env=env, stdout=subprocess.PIPE,

@@ -95,21 +95,20 @@ def _interleaved_groups(self, o):
     return self.numerics.einsum("btgi,gri->btgr", groups, wo_a).flatten(2)
 
 
-def _ffn_reads_attention_pre(self, x, pre, step, handoff, cache, image_mask):
+def _ffn_reads_attention_pre(self, x, pre, attend, feed_forward):
     """The FFN collapses the streams with the pre-mix the attention used (not the lagging one, trap 1)."""
     pre_attn, post, comb = self._mixes(x, "attn")
-    o = self.attn(self.attn_norm(hyper.collapse(x, pre)), step, handoff, cache)
-    x = hyper.expand(o, x, post, comb)
+    x = hyper.expand(attend(self.attn_norm(hyper.collapse(x, pre))), x, post, comb, self.numerics)
     pre_ffn, post, comb = self._mixes(x, "ffn")
-    m = self.ffn(self.ffn_norm(hyper.collapse(x, pre)), image_mask)
-    return hyper.expand(m, x, post, comb), pre_ffn
+    m = feed_forward(self.ffn_norm(hyper.collapse(x, pre)))
+    return hyper.expand(m, x, post, comb, self.numerics), pre_ffn
 
 
 ORIGINAL_ROTATE = Rotary.rotate
 MUTATIONS = {
     "no inverse RoPE on the output (trap 11)": (Rotary, "rotate", _no_inverse_rope),
     "wo_a groups of interleaved heads (§11.8)": (Attention, "_grouped_output", _interleaved_groups),
-    "FFN reads the attention's pre-mix (trap 1)": (Block, "forward", _ffn_reads_attention_pre),
+    "FFN reads the attention's pre-mix (trap 1)": (Block, "run", _ffn_reads_attention_pre),
 }
 
 

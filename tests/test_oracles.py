@@ -602,8 +602,8 @@ def test_mutation_pre_not_lagging(model, monkeypatch, attention_reads, ffn_reads
 def test_mutation_comb_not_transposed(model, monkeypatch):
     real = hyper.expand
 
-    def expand(out, residual, post, comb):
-        return real(out, residual, post, comb.transpose(-1, -2))     # stream j gets row j (trap 2)
+    def expand(out, residual, post, comb, numerics):
+        return real(out, residual, post, comb.transpose(-1, -2), numerics)     # stream j gets row j (trap 2)
 
     monkeypatch.setattr(hyper, "expand", expand)
     d = mutated_block_distance(model)

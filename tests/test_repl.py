@@ -400,7 +400,7 @@ def run_child(demo_dir, tmp_path):
     children = []
 
     def start(tokens: int, cache: Path) -> Child:
-        env = dict(os.environ, DSV41_CACHE=str(cache), TERM="dumb", OMP_NUM_THREADS="1",
+        env = dict(os.environ, DSV41_CACHE=str(cache), DSV41_DEMO="random", TERM="dumb", OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         child = Child([sys.executable, "-c", DRIVER, str(demo_dir), str(tokens)], env)
         children.append(child)

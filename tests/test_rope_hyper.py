@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsv41.model import hyper
-from dsv41.model.numerics import FAST
+from dsv41.model.numerics import FAST, REFERENCE
 from dsv41.model.rope import Rotary, yarn_frequencies
 
 import helpers
@@ -233,9 +233,10 @@ def streams():
     return o, R, post, comb
 
 
-def test_expand_applies_comb_transposed(streams):
+@pytest.mark.parametrize("numerics", [REFERENCE, FAST], ids=["reduction", "matmul"])
+def test_expand_applies_comb_transposed(streams, numerics):
     o, R, post, comb = streams
-    got = hyper.expand(o, R, post, comb)
+    got = hyper.expand(o, R, post, comb, numerics)
     assert got.dtype == torch.bfloat16 and got.shape == R.shape
     expect = expand_loop(o, R, post, comb)
     torch.testing.assert_close(got, expect.to(torch.bfloat16), rtol=0, atol=0.02)
@@ -245,9 +246,10 @@ def test_expand_applies_comb_transposed(streams):
     assert (got.double() - wrong).abs().max() > 0.5
 
 
-def test_expand_in_float32_is_tight(streams):
+@pytest.mark.parametrize("numerics", [REFERENCE, FAST], ids=["reduction", "matmul"])
+def test_expand_in_float32_is_tight(streams, numerics):
     o, R, post, comb = streams
-    got = hyper.expand(o.float(), R.float(), post, comb)
+    got = hyper.expand(o.float(), R.float(), post, comb, numerics)
     torch.testing.assert_close(got.double(), expand_loop(o, R, post, comb), rtol=0, atol=1e-5)
 
 

@@ -21,7 +21,7 @@ def free_port() -> int:
 
 def test_serve_answers_and_drains_a_running_stream_on_ctrl_c(demo_dir):
     port = free_port()
-    env = dict(os.environ, DSV41_CACHE=str(demo_dir.parent))
+    env = dict(os.environ, DSV41_CACHE=str(demo_dir.parent), DSV41_DEMO="random")
     proc = subprocess.Popen([sys.executable, "-m", "dsv41", "serve", "--checkpoint", str(demo_dir), "--port",
                              str(port), "--max-context", "512", "--numerics", "fast", "--speculative"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

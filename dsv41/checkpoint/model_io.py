@@ -384,8 +384,10 @@ def _check_stored(spec: TensorSpec, weight: torch.Tensor) -> None:
 
 
 def save_model(model, directory: str | Path, *, tokenizer: str | Path | None = None,
-               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
-    """Write config.json, the shards + index in the released layout, and the tokenizer files."""
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, cfg: ModelConfig | None = None) -> Path:
+    """Write config.json, the shards + index in the released layout, and the tokenizer files; `cfg`: the
+    config to write under, when its storage formats differ from the model's (a trained fp32 model kept
+    bf16), else the model's."""
     parallel = getattr(model, "parallel", None)
     if parallel is not None and (parallel.tp_size > 1 or parallel.ep_size > 1):
         # a rank holds a slice; the released layout stores whole tensors
@@ -393,8 +395,9 @@ def save_model(model, directory: str | Path, *, tokenizer: str | Path | None = N
                               f"load the checkpoint in one process to save it")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(directory, stored_tensors(model, model.cfg), max_shard_bytes=max_shard_bytes)
-    (directory / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n")
+    cfg = cfg or model.cfg
+    save_checkpoint(directory, stored_tensors(model, cfg), max_shard_bytes=max_shard_bytes)
+    (directory / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     if tokenizer is not None:
         source = Path(tokenizer)
         source_dir = source if source.is_dir() else source.parent

@@ -62,14 +62,17 @@ def window_indices(step: Step, window: int) -> torch.Tensor:
 
 
 def _gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """pool [B, N, Dh], rows [B, T, n] → fp32 [B, T, n, Dh], zeros where the row is −1.
+    """pool [B, N, Dh], rows [B, T, n] → fp32 [B, T, n, Dh]; an entry of −1 reads pool row 0, a finite
+    value whose logit the caller sets to −∞, so its probability and thus its product with it are 0.
 
     n is one attention block (64) or, without blocks, a whole list of W + k ≤ W + K entries: the copy
     is bounded by T·(W + K)·Dh whatever the context.
     """
-    picked = torch.gather(pool.unsqueeze(1).expand(-1, rows.shape[1], -1, -1), 2,
-                          rows.clamp(min=0).unsqueeze(-1).expand(-1, -1, -1, pool.shape[-1]))
-    return picked.float() * (rows >= 0).unsqueeze(-1)
+    B, P, Dh = pool.shape
+    # one index into the flattened pool: a gather from an expanded [B, T, P, Dh] view would make its
+    # backward allocate and sum that whole view (training, dsv41/training/forward.py)
+    flat = rows.clamp(min=0) + P * torch.arange(B, device=rows.device).view(B, 1, 1)
+    return pool.reshape(B * P, Dh)[flat].float()
 
 
 def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor,
@@ -193,7 +196,10 @@ class Attention(nn.Module):
                     cache.published_keys[slot] = role.layer_id
         C = step.compressed_rows(role.ratio)
         if role.is_index_source:
-            handoff.publish_selection(role.layer_id, self._select(x, qr, step, handoff, cache, C, published))
+            def keys_of(r: int) -> torch.Tensor:
+                owner = cache.sources[self._keys_owner(step, cache, r, published)]
+                return owner.index_keys[step.slots[r]:step.slots[r] + 1, :C]              # [1, C, Di]
+            handoff.publish_selection(role.layer_id, self.select(x, qr, step, handoff, C, keys_of))
         selected = handoff.selection_for(role)                                      # [N, k]
         N, k = selected.shape
         if N * k < step.n_rows * C:
@@ -227,8 +233,9 @@ class Attention(nn.Module):
             return cache.published_keys[slot]
         return role.kv_source
 
-    def _select(self, x, qr, step: Step, handoff: Handoff, cache: ModelCache, C: int, published: list[bool]):
-        """[N, k] compressed positions per token, ascending, −1 for none (§11.6).
+    def select(self, x, qr, step: Step, handoff: Handoff, C: int, keys_of):
+        """[N, k] compressed positions per token, ascending, −1 for none (§11.6); keys_of(r): call row r's
+        index keys [1, C, Di] (from the cache, or in training from the call itself).
 
         Each row is scored in chunks of query rows (`Indexer.select`), so the indexer's transients stay
         within its budget whatever C is; the candidate source fills its [1, N, C] kept-block mask chunk
@@ -245,11 +252,9 @@ class Attention(nn.Module):
         elif role.candidate_source is not None:
             restrict = handoff.candidates_for(role)                                 # [1, N, C]
         chosen = torch.empty(step.n_tokens, min(self.index_topk, C), dtype=torch.long, device=x.device)
-        for r, slot in enumerate(step.slots):
-            owner = cache.sources[self._keys_owner(step, cache, r, published)]
-            keys = owner.index_keys[slot:slot + 1, :C]                              # [1, C, Di]
+        for r in range(step.n_rows):
             seg = step.tokens_of(r)
-            self.indexer.select(x[:, seg], qr[:, seg], keys, step.positions[seg], visible[seg], self.rotary,
+            self.indexer.select(x[:, seg], qr[:, seg], keys_of(r), step.positions[seg], visible[seg], self.rotary,
                                 self.index_topk, blocks=blocks, keep=None if keep is None else keep[:, seg],
                                 restrict=None if restrict is None else restrict[:, seg], out=chosen[None, seg])
         if keep is not None:

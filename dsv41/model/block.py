@@ -49,7 +49,7 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{sub}_scale", _fp32_param((3,), device))
         self.engram = None
         if role.has_engram:
-            self.engram = Engram(cfg, role.engram_index, numerics=numerics, device=device, parallel=parallel)
+            self.engram = Engram(cfg, role.engram_index, numerics=numerics, device=device, dtype=dtype, parallel=parallel)
 
     def _mixes(self, x: torch.Tensor, sub: str):
         return hyper.mixes(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
@@ -59,12 +59,16 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, pre: torch.Tensor, step: Step, handoff: Handoff, cache: ModelCache,
                 image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [1, N, S, D], pre [1, N, S] (from the previous sublayer, trap 1) → (x, pre for the next)."""
+        return self.run(x, pre, lambda h: self.attn(h, step, handoff, cache), lambda h: self.ffn(h, image_mask))
+
+    def run(self, x: torch.Tensor, pre: torch.Tensor, attend, feed_forward) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block around its two sublayers, given as functions of their normed input: the cached
+        inference forward passes its attention over the cache, training (dsv41/training) a cache-free one."""
         pre_attn, post, comb = self._mixes(x, "attn")
-        o = self.attn(self.attn_norm(hyper.collapse(x, pre)), step, handoff, cache)
-        x = hyper.expand(o, x, post, comb)
+        x = hyper.expand(attend(self.attn_norm(hyper.collapse(x, pre))), x, post, comb, self.numerics)
         pre_ffn, post, comb = self._mixes(x, "ffn")
-        m = self.ffn(self.ffn_norm(hyper.collapse(x, pre_attn)), image_mask)
-        return hyper.expand(m, x, post, comb), pre_ffn
+        m = feed_forward(self.ffn_norm(hyper.collapse(x, pre_attn)))
+        return hyper.expand(m, x, post, comb, self.numerics), pre_ffn
 
 
 def _fp32_param(shape: tuple[int, ...], device) -> nn.Parameter:

@@ -46,8 +46,20 @@ class Compressor(nn.Module):
             kv, score = torch.cat([tail_kv, kv]), torch.cat([tail_score, score])
         first = start_pos - lead
         state.carry(slot, first, kv, score, start_pos + x.shape[0])
+        return self.pool(kv, score, x.dtype), first // r
+
+    def latents(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, D] of one row from position 0, all at once (training) → latents [⌊n/r⌋, Dh] pre-RoPE."""
+        if self.ratio == 1:
+            return self.norm(self.wkv(x))
+        h = x.float()
+        return self.pool(self.wkv(h), self.wgate(h), x.dtype)
+
+    def pool(self, kv: torch.Tensor, score: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """kv, score [n, Dh] fp32 from a group's first position → the normed latents of the whole groups."""
+        r = self.ratio
         g = kv.shape[0] // r
         groups = kv[:g * r].unflatten(0, (g, r))                    # [g, r, Dh]
         weights = self.numerics.softmax(score[:g * r].unflatten(0, (g, r)), dim=1)
         pooled = (groups * weights).sum(dim=1)
-        return self.norm(pooled.to(x.dtype)), first // r
+        return self.norm(pooled.to(dtype))

@@ -169,6 +169,16 @@ def dequantize_fp4_weight(packed: Tensor, scale: Tensor) -> Tensor:
     return _scale_last_dim(values, _scale_as_float(scale), FP4_WEIGHT_BLOCK)
 
 
+def quantize_fp8_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """Engram table rows float [..., n] -> (e4m3 [..., n], ue8m0 [..., n/32]); per 1x32 block the scale is
+    pow2_ceil(max(amax, 1e-4) / 448), as the tables are written (docs/CHECKPOINT.md §2)."""
+    _check_blocks(rows, ENGRAM_BLOCK)
+    blocks = rows.to(torch.float32).unflatten(-1, (-1, ENGRAM_BLOCK))
+    scale = pow2_ceil(blocks.abs().amax(dim=-1).clamp(min=1e-4) / FP8_MAX)
+    q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).flatten(-2)
+    return q.to(torch.float8_e4m3fn), float_to_e8m0(scale)
+
+
 def dequantize_fp8_rows(weight: Tensor, scale: Tensor) -> Tensor:
     """Engram table rows: e4m3 [..., n] with ue8m0 [..., n/32] (1x32 blocks along the row) -> fp32."""
     return _scale_last_dim(weight.to(torch.float32), _scale_as_float(scale), ENGRAM_BLOCK)

@@ -16,13 +16,47 @@ from .numerics import Numerics
 
 def sinkhorn(c: torch.Tensor, iters: int, eps: float, numerics: Numerics) -> torch.Tensor:
     """c [..., S, S] logits → near doubly stochastic; row softmax first, ends on a column step (§7.4)."""
+    if numerics.reference_order:
+        return _sinkhorn(c, iters, eps, numerics, rows=-1, columns=-2)
+    return _PositionsInnermost.apply(c, iters, eps, numerics)
+
+
+class _PositionsInnermost(torch.autograd.Function):
+    """Sinkhorn on an [S, S, ...] copy: every division then runs over contiguous positions instead of
+    broadcasting over S-wide rows (about 3× faster on the CPU). The backward recomputes the steps in
+    that layout, so no gradient ever flows through a permuted view (which costs as much again)."""
+
+    @staticmethod
+    def forward(ctx, c, iters, eps, numerics):
+        ctx.save_for_backward(c)
+        ctx.steps = (iters, eps, numerics)
+        return _natural(_sinkhorn(_innermost(c), *ctx.steps, rows=1, columns=0))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (c,) = ctx.saved_tensors
+        with torch.enable_grad():
+            t = _innermost(c.detach()).requires_grad_()
+            (g,) = torch.autograd.grad(_sinkhorn(t, *ctx.steps, rows=1, columns=0), t, _innermost(grad))
+        return _natural(g), None, None, None
+
+
+def _innermost(c: torch.Tensor) -> torch.Tensor:
+    return c.movedim(-2, 0).movedim(-1, 1).contiguous()
+
+
+def _natural(t: torch.Tensor) -> torch.Tensor:
+    return t.movedim(0, -1).movedim(0, -1).contiguous()
+
+
+def _sinkhorn(c: torch.Tensor, iters: int, eps: float, numerics: Numerics, *, rows: int, columns: int) -> torch.Tensor:
     # the row softmax written out as exp / sum, as the reference kernel computes it (same rounding)
-    c = numerics.exp(c - c.amax(dim=-1, keepdim=True))
-    c = c / c.sum(dim=-1, keepdim=True) + eps
-    c = c / (c.sum(dim=-2, keepdim=True) + eps)
+    c = numerics.exp(c - c.amax(dim=rows, keepdim=True))
+    c = c / c.sum(dim=rows, keepdim=True) + eps
+    c = c / (c.sum(dim=columns, keepdim=True) + eps)
     for _ in range(iters - 1):
-        c = c / (c.sum(dim=-1, keepdim=True) + eps)
-        c = c / (c.sum(dim=-2, keepdim=True) + eps)
+        c = c / (c.sum(dim=rows, keepdim=True) + eps)
+        c = c / (c.sum(dim=columns, keepdim=True) + eps)
     return c
 
 
@@ -41,10 +75,10 @@ def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype)
 
 
-def expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+           numerics: Numerics) -> torch.Tensor:
     """hc_post: stream j = bf16(post_j · o + Σ_i comb[i][j] · R_i); → [B, T, S, D]."""
-    # summed over i as a plain reduction (not a matmul) so the fp32 rounding matches the reference
-    mixed = (comb.unsqueeze(-1) * residual.float().unsqueeze(-2)).sum(dim=2)
+    mixed = numerics.stream_mix(comb, residual)       # the reference's rounding in reference numerics
     return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(out.dtype)
 
 

@@ -115,7 +115,6 @@ def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
 
 def init_engram_table(table: EngramTable, gen: torch.Generator) -> None:
     """Random rows stored as e4m3 with one ue8m0 scale per 32 values of a row (docs/CHECKPOINT.md §2)."""
-    rows = _normal((table.rows, table.head_dim // 32, 32), 1.0, gen)
-    scale = formats.pow2_ceil(rows.abs().amax(-1, keepdim=True).clamp(min=1e-4) / formats.FP8_MAX)
-    table.weight.data.copy_((rows / scale).flatten(1).to(torch.float8_e4m3fn))
-    table.scale.data.copy_(formats.float_to_e8m0(scale.squeeze(-1)))
+    weight, scale = formats.quantize_fp8_rows(_normal((table.rows, table.head_dim), 1.0, gen))
+    table.weight.data.copy_(weight)
+    table.scale.data.copy_(scale)

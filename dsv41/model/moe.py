@@ -140,7 +140,8 @@ class RoutedExperts(nn.Module):
             out = self._grouped(x[token], expert, w)
         if local is not None:
             out = torch.where(local[order].unsqueeze(-1), out, 0.0)      # the sentinel's rows hold no result
-        return torch.zeros(n, x.shape[1], device=x.device, dtype=torch.float32).index_add_(0, token, out.float())
+        out = out.float()
+        return torch.zeros(n, x.shape[1], device=x.device, dtype=out.dtype).index_add_(0, token, out)
 
     def _finish(self, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # the routing weight multiplies before w2, so it passes through w2's activation QDQ (trap 17)
@@ -222,16 +223,19 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] (after ffn_norm) → [B, T, D]; image_mask [B, T] selects bias_vl."""
+        return self.routed(x, image_mask)[0]
+
+    def routed(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the output [B, T, D], the chosen expert ids [B·T, A]); training counts expert load from the ids."""
         flat = x.flatten(0, 1)
-        weights, ids = self.route(flat, None if image_mask is None else image_mask.flatten())
+        weights, chosen = self.route(flat, None if image_mask is None else image_mask.flatten())
         lo, hi = self.expert_range
-        if self.experts.partial:
-            ids = torch.where((ids >= lo) & (ids < hi), ids - lo, -1)
+        ids = torch.where((chosen >= lo) & (chosen < hi), chosen - lo, -1) if self.experts.partial else chosen
         y = self.experts(flat, weights, ids)                                  # fp32 [n, D]
         if self.experts_parallel:
             dist.all_reduce(y, group=self.experts_group)                       # in fp32, as the reference (§13)
         y = y + self.shared_experts(flat).float()
-        return y.to(x.dtype).view_as(x)
+        return y.to(x.dtype).view_as(x), chosen
 
 
 class Router(nn.Module):

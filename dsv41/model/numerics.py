@@ -71,6 +71,12 @@ class Numerics:
         return self.kernels == "invariant"
 
     @property
+    def reference_order(self) -> bool:
+        """Reductions keep the reference's layout and summation order (hc_post, Sinkhorn); otherwise the
+        policy picks the faster formulation of the same sums."""
+        return self.quantized or self.invariant
+
+    @property
     def attention_block(self) -> int | None:
         """Indices per online-softmax block; None = one exact softmax over the whole list."""
         return ATTENTION_BLOCK if self.quantized or self.invariant else None
@@ -120,6 +126,16 @@ class Numerics:
         return x.sum(dim=dim)
 
     # ------------------------------------------------------------------------------ products
+    def stream_mix(self, comb: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """fp32 Σ_i comb[..., i, j] · R_i (hc_post's residual mix, §7): comb [..., S, S], residual
+        [..., S, D] → [..., S, D]. Reference numerics and invariant kernels sum over i as a plain
+        reduction, which rounds as the reference does; fast BLAS kernels take one batched matmul, whose
+        backward is a matmul too (the reduction's backward multiplies by a stride-0 view, ~40× slower on
+        the CPU in training)."""
+        if self.reference_order:
+            return (comb.unsqueeze(-1) * residual.float().unsqueeze(-2)).sum(dim=-3)
+        return torch.matmul(comb.transpose(-1, -2), residual.float())
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ weight [N, K]ᵀ in x's dtype (fp32 or bf16 operands of one dtype)."""
         if not self.invariant:

@@ -23,7 +23,7 @@ _INT32_MAGNITUDE = 0x7FFFFFFF
 
 def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
     """int64 keys, ordered as (score, −index): larger score first, then lower index first."""
-    s = scores.float() + 0.0                          # −0 → +0: the two zeros are one score
+    s = scores.to(torch.float32) + 0.0               # −0 → +0: the two zeros are one score
     bits = s.view(torch.int32)
     # negative floats order backwards as integers: flip their magnitude bits
     monotone = torch.where(bits < 0, bits ^ _INT32_MAGNITUDE, bits).to(torch.int64)

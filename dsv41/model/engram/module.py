@@ -39,7 +39,7 @@ def stream_gate(x: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: f
 class Engram(nn.Module):
     """One Engram layer: table `embed`, projection `wkv` to S keys + one value, gate `q_weight`·`k_weight`."""
 
-    def __init__(self, cfg, engram_index: int, numerics: Numerics, *, device=None,
+    def __init__(self, cfg, engram_index: int, numerics: Numerics, *, device=None, dtype=torch.bfloat16,
                  parallel: ParallelContext | None = None):
         super().__init__()
         parallel = parallel or ParallelContext()
@@ -52,7 +52,7 @@ class Engram(nn.Module):
         self.embed = EngramTable(rows, self.head_dim, device=device, part=parallel.engram_rows(rows))
         # wkv follows `dtype` like every dense Linear (the table itself is always fp8, §9)
         self.wkv = Linear(self.n_columns * self.head_dim, (self.streams + 1) * self.dim, dense_storage(cfg),
-                          numerics=numerics, device=device)
+                          numerics=numerics, device=device, dtype=dtype)
         # bf16 in the checkpoint; only their product is ever used (§9 step 3). Identity gate weights
         # until loaded, as the reference initialises them.
         self.q_weight = nn.Parameter(torch.ones(self.streams, self.dim, dtype=torch.bfloat16, device=device),
