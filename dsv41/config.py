@@ -365,5 +365,4 @@ class RuntimeConfig:
     def numerics_policy(self):
         """The `Numerics` object every module of a model built with this runtime shares."""
         from .model.numerics import Numerics
-        default = Numerics.default(self.numerics)
-        return default if self.kernels is None else Numerics(self.numerics, self.kernels)
+        return Numerics.for_device(self.numerics, self.kernels, self.device)

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from dsv41.config import ConfigError
 from dsv41.model import formats
 from dsv41.model.init import init_random_
 from dsv41.model.moe import MoE, route, swiglu
@@ -190,30 +191,26 @@ def test_moe_reference_numerics_against_loop(tokens):
     assert diff.max() <= scale * 2 ** -8
 
 
-def test_grouped_and_gathered_paths_agree():
+def test_grouped_expert_gemm_against_the_loop_and_the_oracle():
+    """The accelerator path (torch's grouped GEMM with device-side offsets, no host sync) run on the CPU,
+    at a decode-sized call (fewer pairs than experts, empty groups) and a prefill-sized one."""
     moe, _ = make_moe("fast")
-    x = torch.randn(1, 16, D, generator=torch.Generator().manual_seed(5))
-    flat = x.flatten(0, 1)
-    weights, ids = moe.route(flat)
-    order = torch.argsort(ids.flatten(), stable=True)                   # both take pairs in expert order
-    rows = flat[torch.arange(16).repeat_interleave(A)][order]
-    grouped = moe.experts._grouped(rows, ids.flatten()[order], weights.flatten()[order])
-    gathered = moe.experts._gathered(rows, ids.flatten()[order], weights.flatten()[order])
-    torch.testing.assert_close(grouped, gathered, rtol=1e-5, atol=1e-6)
+    grouped = MoE(D, F_, E, A, 1.5, LIMIT, "fp4", vision=True, numerics=Numerics("fast", "blas", "grouped"),
+                  dtype=torch.float32)
+    grouped.load_state_dict(moe.state_dict())
+    assert grouped.experts.numerics.grouped_experts and not moe.experts.numerics.grouped_experts
+    for n, seed in ((1, 7), (16, 8)):
+        x = torch.randn(1, n, D, generator=torch.Generator().manual_seed(seed))
+        want = moe_oracle(moe, x, None, quantised=False)
+        torch.testing.assert_close(grouped(x), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-5)
 
 
-def test_grouped_gemm_kernel_path_against_loop():
-    """The accelerator path (torch's grouped GEMM with device-side offsets, no host sync) run on the CPU."""
-    moe, _ = make_moe("fast")
-    moe.experts.grouped_kernel = True
-    x = torch.randn(1, 16, D, generator=torch.Generator().manual_seed(7))
-    torch.testing.assert_close(moe(x), moe_oracle(moe, x, None, quantised=False), rtol=1e-5, atol=1e-5)
-
-
-def test_grouped_gemm_kernel_path_reference_numerics_is_exact():
-    """Quantised operands are exact in bf16, so the bf16 grouped kernel equals the fp32 expert loop."""
-    moe, _ = make_moe("reference")
-    x = torch.randn(1, 16, D, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-    loop = moe(x)
-    moe.experts.grouped_kernel = True
-    assert torch.equal(moe(x), loop)
+def test_the_expert_kernel_follows_the_device_and_numerics():
+    assert Numerics.for_device("fast", None, "cuda") == Numerics("fast", "blas", "grouped")
+    assert Numerics.for_device("fast", None, "cpu") == Numerics("fast", "blas", "loop")
+    assert Numerics.for_device("fast", "invariant", "cuda").experts == "loop"      # grouping sums in its own order
+    assert Numerics.for_device("reference", None, "cuda:0").experts == "loop"
+    for mode, kernels in (("reference", "blas"), ("fast", "invariant")):
+        with pytest.raises(ConfigError, match="grouped expert GEMM needs fast numerics with BLAS"):
+            Numerics(mode, kernels, "grouped")

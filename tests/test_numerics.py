@@ -103,6 +103,32 @@ def test_quantised_linear_is_the_blockwise_formula(quantised, storage):
     assert ((blas - expect.float()).abs() <= expect.float().abs() * 2 ** -7).all()
 
 
+def test_fp4_blocks_are_exact_in_float32_over_the_widest_range():
+    """Blocks whose activations span every e4m3 binade, subnormals next to ±448, against every e2m1
+    code: the split float32 sums equal the float64 formula bit for bit. Block 0 of row 0 is built so
+    that a float32 sum in index order loses a term: 16 × 448·6, then 2⁻⁹·0.5, then 15 × −448·6."""
+    g = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 256, (4, 1024), dtype=torch.uint8, generator=g)
+    codes[:, ::32] = 0x7E                                                # 448 in every block (0x7F is NaN)
+    codes[codes == 0x7F] = 0x01                                          # 2⁻⁹, the smallest subnormal
+    codes[codes == 0xFF] = 0x81
+    codes[0, :32] = torch.tensor([0x7E] * 16 + [0x01] + [0xFE] * 15, dtype=torch.uint8)
+    q = codes.view(torch.float8_e4m3fn)
+    packed = torch.randint(-128, 128, (48, 512), dtype=torch.int8, generator=g)
+    packed[0, :16] = torch.tensor([0x77] * 8 + [0x71] + [0x77] * 7, dtype=torch.uint8).view(torch.int8)
+    values = block_operands(packed, torch.full((48, 32), 127, dtype=torch.uint8), "fp4", 48)[0]
+    blocks = (q.double().view(4, 1, 32, 32) * values.double().view(1, 48, 32, 32)).sum(-1).float()   # [M, N, nb]
+    expect = torch.zeros(4, 48)
+    for k in range(32):
+        expect = expect + blocks[..., k]
+    got = INVARIANT.block_scaled_matmul(q, torch.ones(4, 32), values, torch.ones(48, 32), "fp4")
+    assert torch.equal(got, expect)
+    in_order = torch.zeros((), dtype=torch.float32)
+    for a, w in zip(q[0, :32].float(), values[0, :32]):
+        in_order = in_order + a * w
+    assert blocks[0, 0, 0].item() == 2688 + 2 ** -10 and in_order.item() == 2688.0
+
+
 def test_one_gemm_over_the_dequantised_weight_is_not_the_blockwise_result(quantised):
     """Mutation: what dsv41 computed before — one fp32 GEMM over all of K — sums in another order: its
     fp32 results differ in the last bits, which a bf16 rounding tie turns into a different output."""
@@ -110,7 +136,7 @@ def test_one_gemm_over_the_dequantised_weight_is_not_the_blockwise_result(quanti
     w, s = weights["fp8"]
     q, q_scale = formats.fp8_act_quant(x.float())
     one_gemm = F.linear(formats.fp8_qdq(x.float()), formats.dequantize_fp8_weight(w, s))
-    blockwise = INVARIANT.block_scaled_matmul(q.float(), q_scale, *block_operands(w, s, "fp8", 96))
+    blockwise = INVARIANT.block_scaled_matmul(q, q_scale, *block_operands(w, s, "fp8", 96, torch.float64), "fp8")
     assert (one_gemm != blockwise).float().mean() > 0.05
     torch.testing.assert_close(one_gemm, blockwise, rtol=1e-5, atol=1e-4)
 

@@ -131,11 +131,12 @@ def sinkhorn_loop(c, iters, eps):
     return c
 
 
-def test_sinkhorn_matches_the_loop():
+@pytest.mark.parametrize("positions", [5, hyper.INNERMOST_FROM + 6])     # both layouts fast numerics takes
+def test_sinkhorn_matches_the_loop(positions):
     g = torch.Generator().manual_seed(3)
-    logits = torch.randn(5, 4, 4, generator=g, dtype=torch.float64) * 3
+    logits = torch.randn(positions, 4, 4, generator=g, dtype=torch.float64) * 3
     got = hyper.sinkhorn(logits, 20, 1e-6, FAST)
-    for b in range(5):
+    for b in range(positions):
         expect = torch.tensor(sinkhorn_loop(logits[b].tolist(), 20, 1e-6), dtype=torch.float64)
         torch.testing.assert_close(got[b], expect, rtol=1e-12, atol=1e-14)
 

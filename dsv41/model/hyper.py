@@ -14,9 +14,15 @@ import torch
 from .numerics import Numerics
 
 
+# Positions from which the positions-innermost layout pays for its two copies (measured on the CPU:
+# 0.9× at 16 positions, 1.5× at 64, 5× at 1024); training always takes it, for its backward.
+INNERMOST_FROM = 64
+
+
 def sinkhorn(c: torch.Tensor, iters: int, eps: float, numerics: Numerics) -> torch.Tensor:
     """c [..., S, S] logits → near doubly stochastic; row softmax first, ends on a column step (§7.4)."""
-    if numerics.reference_order:
+    few = c.shape[:-2].numel() < INNERMOST_FROM and not (c.requires_grad and torch.is_grad_enabled())
+    if numerics.reference_order or few:
         return _sinkhorn(c, iters, eps, numerics, rows=-1, columns=-2)
     return _PositionsInnermost.apply(c, iters, eps, numerics)
 

@@ -69,14 +69,15 @@ def stored_dtypes(storage: str, numerics: Numerics, compute_dtype: torch.dtype
     return compute_dtype, None
 
 
-def block_operands(weight: torch.Tensor, scale: torch.Tensor, storage: str, out_features: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A quantised [out, in] weight as the blockwise GEMM takes it: (code values fp32 [out, in],
-    power-of-two scales fp32 [out, in/32], one per output row and K block) (§6.2)."""
+def block_operands(weight: torch.Tensor, scale: torch.Tensor, storage: str, out_features: int,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantised [out, in] weight as the blockwise GEMM takes it: (code values [out, in] in `dtype`,
+    the precision the GEMM sums in, decoded straight into it; power-of-two scales fp32 [out, in/32], one
+    per output row and K block) (§6.2)."""
     if storage == "fp4":
-        return formats.fp4_decode(formats.unpack_fp4(weight)), formats.e8m0_to_float(scale)
+        return formats.decode_bytes(weight, formats.byte_table("e2m1x2", dtype)), formats.e8m0_to_float(scale)
     rows = formats.e8m0_to_float(scale).repeat_interleave(formats.FP8_WEIGHT_BLOCK, dim=0)[:out_features]
-    return weight.float(), rows
+    return formats.decode_bytes(weight, formats.byte_table("e4m3", dtype)), rows
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str,
@@ -84,9 +85,9 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """§6.3: fp8 activation quantisation per 32, the blockwise GEMM (not one GEMM over the dequantised
     weight, which rounds differently: docs/NUMERICS.md N5), bf16 out; x [..., in]."""
     q, q_scale = formats.fp8_act_quant(x.float())
-    values, w_scale = block_operands(weight, scale, storage, out_features)
-    flat = q.float().reshape(-1, q.shape[-1])
-    y = numerics.block_scaled_matmul(flat, q_scale.reshape(flat.shape[0], -1), values, w_scale)
+    values, w_scale = block_operands(weight, scale, storage, out_features, numerics.block_operand_dtype(storage))
+    flat = q.reshape(-1, q.shape[-1])
+    y = numerics.block_scaled_matmul(flat, q_scale.reshape(flat.shape[0], -1), values, w_scale, storage)
     return y.to(torch.bfloat16).view(*x.shape[:-1], out_features)
 
 

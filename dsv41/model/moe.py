@@ -4,14 +4,14 @@ Shapes: n tokens (B·T flattened), D dim, F expert hidden, E routed experts (loc
 A experts per token, P = n·A token–expert pairs.
 
 Routing is a pure function (selection by score + bias, weights from the raw scores, trap 16; ties to
-the lower expert id). Routed experts are stored stacked ([E, out, in] logically). How they run depends
-on the numerics policy:
-- reference numerics, or invariant kernels: each expert that has rows runs once over all of them, in
-  ascending expert order, as the reference's expert loop does — the quantised blockwise GEMM, or one
-  matmul per projection for bf16 experts — so a row's result does not depend on its neighbours;
-- fast numerics with BLAS kernels: one grouped GEMM over the pairs sorted by expert, with group offsets
-  on the device (no per-expert host synchronisation, STYLE.md P7); when there are fewer pairs than
-  experts (decode), only the chosen experts' weights are gathered and dequantised.
+the lower expert id). Routed experts are stored stacked ([E, out, in] logically). How they run is the
+numerics policy's `experts` choice:
+- "loop" (always in reference numerics or with invariant kernels): each expert that has rows runs once
+  over all of them, in ascending expert order, as the reference's expert loop does — the quantised
+  blockwise GEMM, or one matmul per projection — so a row's result does not depend on its neighbours,
+  and a decode step reads only its chosen experts' weights, in place;
+- "grouped" (fast numerics on accelerators): one grouped GEMM per projection over the pairs sorted by
+  expert, with group offsets on the device (no per-expert host synchronisation, STYLE.md P7).
 """
 
 from __future__ import annotations
@@ -86,12 +86,6 @@ class StackedWeight(nn.Module):
         else:
             self.register_parameter("scale", None)
 
-    def dequantized(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """[len(ids) or E, out, in] weights of the given experts (all when ids is None), as held by
-        fast numerics (already dequantised)."""
-        w = self.weight if ids is None else self.weight[ids]
-        return w.to(dtype)
-
     def apply(self, x: torch.Tensor, expert: int, numerics: Numerics) -> torch.Tensor:
         """x [m, in] through expert `expert`: the quantised blockwise GEMM (bf16 out) or one matmul."""
         if self.scale is not None:
@@ -110,9 +104,6 @@ class RoutedExperts(nn.Module):
         kw = dict(numerics=numerics, device=device, dtype=dtype)
         self.n_experts, self.numerics, self.swiglu_limit = n_experts, numerics, swiglu_limit
         self.partial = partial
-        self.grouped_kernel: bool | None = None
-        """Use torch's grouped GEMM: None = on accelerators only (on the CPU a loop over the experts that
-        have rows is several times faster); True forces it (tests run it on the CPU in fp32)."""
         self.w1 = StackedWeight(n_experts, dim, inter_dim, storage, **kw)
         self.w2 = StackedWeight(n_experts, inter_dim, dim, storage, **kw)
         self.w3 = StackedWeight(n_experts, dim, inter_dim, storage, **kw)
@@ -132,12 +123,10 @@ class RoutedExperts(nn.Module):
         # runs in ascending expert order, as the reference's expert loop adds them.
         order = torch.argsort(expert, stable=True)
         token, expert, w = token[order], expert[order], w[order]
-        if self.numerics.quantized or self.numerics.invariant:
-            out = self._per_expert(x[token], expert, w)
-        elif expert.numel() < self.n_experts:
-            out = self._gathered(x[token], expert.clamp(max=self.n_experts - 1), w)
-        else:
+        if self.numerics.grouped_experts:
             out = self._grouped(x[token], expert, w)
+        else:
+            out = self._per_expert(x[token], expert, w)
         if local is not None:
             out = torch.where(local[order].unsqueeze(-1), out, 0.0)      # the sentinel's rows hold no result
         out = out.float()
@@ -162,40 +151,17 @@ class RoutedExperts(nn.Module):
             start = end
         return out
 
-    # Fast numerics with BLAS kernels: weights are held dequantised in the compute dtype.
-    def _gathered(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Fewer pairs than experts: each pair against its expert's gathered weights (one bmm)."""
-        xa = x.unsqueeze(1)                                                                # [P, 1, D]
-        gate = torch.bmm(xa, self.w1.dequantized(expert, x.dtype).transpose(1, 2)).squeeze(1)
-        up = torch.bmm(xa, self.w3.dequantized(expert, x.dtype).transpose(1, 2)).squeeze(1)
-        h = self._finish(gate, up, w, x.dtype).unsqueeze(1)
-        return torch.bmm(h, self.w2.dequantized(expert, x.dtype).transpose(1, 2)).squeeze(1)
-
     def _grouped(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Pairs already sorted by expert → outputs [P, D] (one grouped GEMM per projection)."""
-        ends = torch.bincount(expert, minlength=self.n_experts).cumsum(0)[:self.n_experts]
-        gate, up = self._grouped_mm(x, self.w1, ends), self._grouped_mm(x, self.w3, ends)
-        return self._grouped_mm(self._finish(gate, up, w, x.dtype), self.w2, ends)
+        """Pairs sorted by expert (weights held dequantised by fast numerics) → outputs [P, D]: one
+        grouped GEMM per projection, expert e owning rows [ends[e−1], ends[e]); the offsets stay on the
+        device. Pairs of the EP sentinel expert E fall past the last offset and are masked by the caller."""
+        ends = torch.bincount(expert, minlength=self.n_experts).cumsum(0)[:self.n_experts].to(torch.int32)
 
-    def _grouped_mm(self, a: torch.Tensor, bank: StackedWeight, ends: torch.Tensor) -> torch.Tensor:
-        """Rows of a sorted by expert, expert e owning rows [ends[e−1], ends[e]) → a_e · W_eᵀ.
+        def project(a: torch.Tensor, bank: StackedWeight) -> torch.Tensor:
+            return torch._grouped_mm(a, bank.weight.to(a.dtype).transpose(1, 2), offs=ends)
 
-        On an accelerator: one grouped GEMM with device-side offsets (no host sync; the kernels take
-        bf16). On the CPU the offsets are already host memory, and a loop over the experts that have
-        rows is several times faster than torch's CPU grouped kernel.
-        """
-        kernel = self.grouped_kernel if self.grouped_kernel is not None else (
-            a.device.type != "cpu" and a.dtype == torch.bfloat16)
-        if kernel:
-            weights = bank.dequantized(None, a.dtype).transpose(1, 2)
-            return torch._grouped_mm(a, weights, offs=ends.to(torch.int32))
-        out = a.new_empty(a.shape[0], bank.out_features)
-        start = 0
-        for e, end in enumerate(ends.tolist()):
-            if end > start:
-                out[start:end] = a[start:end] @ bank.weight[e].to(a.dtype).t()
-            start = end
-        return out
+        gate, up = project(x, self.w1), project(x, self.w3)
+        return project(self._finish(gate, up, w, x.dtype), self.w2)
 
 
 class MoE(nn.Module):

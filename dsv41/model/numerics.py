@@ -21,6 +21,13 @@ One frozen object, built from the runtime config and passed to every module (STY
     them. Faster, and with reference numerics bit-identical to the reference's CPU port on the calls the
     reference supports; but the BLAS sums a 1-row call in another order than a 6-row one, so results
     move in the last bit with the call shape (trap 23).
+- `experts` decides how the routed experts run (moe.py):
+  - "loop": each expert that has rows runs once over all of them, reading its weights in place. On the
+    CPU the group offsets are host memory already, and a decode step reads only the chosen experts'
+    weights, never a gathered copy of them.
+  - "grouped": one grouped GEMM per projection with device-side offsets (no host synchronisation); the
+    accelerators' choice, fast numerics with BLAS kernels only.
+  `for_device` picks it from the device the model runs on.
 """
 
 from __future__ import annotations
@@ -35,30 +42,50 @@ from ..config import ConfigError
 
 MODES = ("reference", "fast")
 KERNELS = ("invariant", "blas")
+EXPERT_KERNELS = ("loop", "grouped")
 # The reference kernel walks an attention list in blocks of 64 indices (§11.7, kernel.py `block`).
 ATTENTION_BLOCK = 64
 # Quantised GEMMs sum each 32-wide K block on its own (§6.3: one activation scale per 32 inputs).
 GEMM_BLOCK = 32
 # Largest float64 weight copy an invariant matmul makes at once (the head is 129280 × 5120).
 FLOAT64_CHUNK_ELEMENTS = 1 << 25
+# Largest batch of per-block partial sums an invariant quantised GEMM holds at once.
+BLOCK_PARTIALS_ELEMENTS = 1 << 23
 
 
 @dataclass(frozen=True)
 class Numerics:
     mode: str = "reference"
     kernels: str = "invariant"
+    experts: str = "loop"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"numerics must be one of {MODES}, got {self.mode!r}")
         if self.kernels not in KERNELS:
             raise ConfigError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.experts not in EXPERT_KERNELS:
+            raise ConfigError(f"experts must be one of {EXPERT_KERNELS}, got {self.experts!r}")
+        if self.experts == "grouped" and (self.quantized or self.invariant):
+            # the grouped GEMM sums in its own order: only fast numerics with BLAS kernels may take it
+            raise ConfigError(f"the grouped expert GEMM needs fast numerics with BLAS kernels, not "
+                              f"{self.mode}/{self.kernels}")
 
     @classmethod
     def default(cls, mode: str) -> "Numerics":
         """Reference numerics default to invariant kernels (the engine's guarantees rest on them);
         fast numerics to the BLAS (speed first)."""
         return cls(mode, "invariant" if mode == "reference" else "blas")
+
+    @classmethod
+    def for_device(cls, mode: str, kernels: str | None, device: str) -> "Numerics":
+        """The policy of a model on `device`: kernels as given (None: `default`), and the grouped expert
+        GEMM on accelerators when fast numerics run BLAS kernels."""
+        policy = cls.default(mode) if kernels is None else cls(mode, kernels)
+        on_accelerator = torch.device(device).type not in ("cpu", "meta")
+        if on_accelerator and not (policy.quantized or policy.invariant):
+            return cls(policy.mode, policy.kernels, "grouped")
+        return policy
 
     # ------------------------------------------------------------------------------ properties
     @property
@@ -69,6 +96,10 @@ class Numerics:
     @property
     def invariant(self) -> bool:
         return self.kernels == "invariant"
+
+    @property
+    def grouped_experts(self) -> bool:
+        return self.experts == "grouped"
 
     @property
     def reference_order(self) -> bool:
@@ -151,24 +182,56 @@ class Numerics:
             return torch.einsum(equation, a, b.to(a.dtype))
         return _round(torch.einsum(equation, a.double(), b.double()), a.dtype)
 
+    def block_operand_dtype(self, storage: str) -> torch.dtype:
+        """The precision a quantised GEMM takes a weight's code values in: float64 for fp8 weights under
+        invariant kernels (their block sums are exact only there), float32 otherwise (fp4 blocks are
+        made exact in float32 by `block_scaled_matmul`)."""
+        return torch.float64 if self.invariant and storage == "fp8" else torch.float32
+
     def block_scaled_matmul(self, q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor,
-                            w_scale: torch.Tensor) -> torch.Tensor:
+                            w_scale: torch.Tensor, storage: str) -> torch.Tensor:
         """The reference's quantised GEMM (§6.3): fp32 [M, N].
 
-        q [M, K] e4m3 activation values (as floats), q_scale [M, nb]; w [N, K] weight codes' values
-        (e4m3 or e2m1, unscaled), w_scale [N, nb] per output row. Each 32-wide K block is summed on its
-        own, the partial sum scaled by both (power-of-two) scales and added to an fp32 accumulator in
-        K order. Invariant kernels sum a block in float64, where it is exact (its products have at most
-        8 significant bits and a block spans fewer than 2⁴¹ of their units), then round it once.
+        q [M, K] e4m3 activations, q_scale [M, nb]; w [N, K] code values of an `storage` ("fp8": e4m3,
+        "fp4": e2m1) weight, unscaled, in `block_operand_dtype(storage)`; w_scale [N, nb] per output row.
+        Each 32-wide K block is summed on its own, the partial sum scaled by both (power-of-two) scales
+        and added to an fp32 accumulator in K order. BLAS kernels run one fp32 product per block, at
+        the reference's shapes. Invariant kernels sum a block exactly, then round it once, so the
+        blocks' sums can come from one batched product (any order gives the same bits) and only the
+        fp32 accumulation stays sequential:
+        - e4m3 × e4m3 in float64: a product has at most 8 significant bits and a block spans fewer than
+          2⁴¹ of its units;
+        - e4m3 × e2m1 in float32, the activations split into integer and fraction parts
+          (a = trunc(a) + frac): |trunc(a)| ≤ 448 and w is a multiple of 1/2 up to 6, so trunc(a)·w
+          counts fewer than 2¹³ halves and a block of 32 fewer than 2¹⁸; frac·w counts fewer than 2¹³
+          units of 2⁻¹⁰ likewise. Every partial sum fits float32's 24 bits, in any order and with FMA;
+          the two halves add exactly in float64. This reads 4 bytes per weight instead of 8.
         """
         M, K = q.shape
-        dt = torch.float64 if self.invariant else torch.float32
-        a, b = q.to(dt), w.to(dt)
+        nb = K // GEMM_BLOCK
+        a = formats.decode_bytes(q, formats.byte_table("e4m3", w.dtype))
         acc = torch.zeros(M, w.shape[0], dtype=torch.float32, device=q.device)
-        for k in range(K // GEMM_BLOCK):
-            cols = slice(k * GEMM_BLOCK, (k + 1) * GEMM_BLOCK)
-            partial = torch.mm(a[:, cols], b[:, cols].t()).float()
-            acc += partial * q_scale[:, k:k + 1] * w_scale[:, k].unsqueeze(0)
+        if not self.invariant:
+            for k in range(nb):
+                cols = slice(k * GEMM_BLOCK, (k + 1) * GEMM_BLOCK)
+                acc += torch.mm(a[:, cols], w[:, cols].t()) * q_scale[:, k:k + 1] * w_scale[:, k].unsqueeze(0)
+            return acc
+        split = storage == "fp4"
+        if split:
+            whole = a.trunc()
+            a = torch.cat([whole, a - whole])                                      # [2M, K], both exact
+        rows = a.shape[0]
+        a_blocks = a.view(rows, nb, GEMM_BLOCK).transpose(0, 1)                    # [nb, rows, 32]
+        w_blocks = w.view(-1, nb, GEMM_BLOCK).permute(1, 2, 0)                     # [nb, 32, N]
+        step = max(1, BLOCK_PARTIALS_ELEMENTS // max(rows * w.shape[0], 1))
+        for k0 in range(0, nb, step):
+            ks = slice(k0, min(nb, k0 + step))
+            exact = torch.bmm(a_blocks[ks], w_blocks[ks])                          # [k, rows, N]
+            if split:
+                exact = exact[:, :M].double() + exact[:, M:].double()
+            partial = exact.float() * q_scale[:, ks].t().unsqueeze(-1) * w_scale[:, ks].t().unsqueeze(1)
+            for block in partial:                                                  # one rounding per block
+                acc += block
         return acc
 
 

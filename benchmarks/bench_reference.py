@@ -1,0 +1,181 @@
+"""dsv41 against the public reference, side by side in one run: prefill, decode, batch decode, the memory floor.
+
+The reference is not part of dsv41: pass a local copy of its `inference/` folder that runs on the CPU
+(the vendored copy in GitHub tenstorrent/tt-metal, `models/demos/deepseek_v3_d_p/reference/deepseek_v41/`,
+carries `kernel_cpu.py`):
+
+    python benchmarks/bench_reference.py --reference path/to/deepseek_v41 [--threads 2] [--dim 512]
+
+One random-weight config in the released layout (every layer role; fp8 dense, fp4 experts; no Engram or
+vision, which the reference builds from a tokenizer and images) is built by dsv41 and copied byte for
+byte into the reference model (tools/reference_parity.py). Then, alternating between the contenders,
+medians of --repeats:
+- prefill of --prefill tokens (tokens/s) and --decode single-token steps after it (ms per step), for the
+  reference, dsv41 `reference` numerics (invariant and BLAS kernels) and dsv41 `fast` numerics (bf16);
+- the machine's memory bandwidth (a large copy), and what fast decode's weight reads would cost at it:
+  the bytes a step must read (dense weights, the chosen experts, the head) over the bandwidth, the floor;
+- fast decode at batch 16 against batch 1 (aggregate tokens/s).
+Ratios are printed against the reference measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsv41.config import ModelConfig, RuntimeConfig   # noqa: E402
+from dsv41.model import Transformer                   # noqa: E402
+from dsv41.model.init import init_random_             # noqa: E402
+from tools.reference_parity import copy_weights, default_dtype, import_reference, reference_args   # noqa: E402
+
+BATCH = 16
+
+
+def config(dim: int, layers: int) -> ModelConfig:
+    ratios = ([0, 0, 2, 2, 1, 1, 1, 1] * ((layers + 7) // 8))[:layers]
+    return ModelConfig(
+        vocab_size=8192, dim=dim, moe_inter_dim=dim // 2, n_layers=layers, n_heads=8, n_routed_experts=32,
+        n_shared_experts=1, n_activated_experts=6, q_lora_rank=dim // 2, head_dim=128, rope_head_dim=32,
+        o_groups=4, o_lora_rank=dim // 4, window_size=32, compress_ratios=tuple(ratios),
+        kv_source_layers=(2, 4), index_source_layers=(2, 4, 6), index_n_heads=4, index_head_dim=64, index_topk=64,
+        candidate_source_layer=4, candidate_topk_blocks=16, candidate_block_size=4, route_scale=1.5,
+        swiglu_limit=10.0, original_seq_len=256, rope_factor=4, compress_rope_theta=160000.0, n_mtp_layers=0)
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class Contender:
+    """One implementation: `prefill(ids)` then `step(ids, position)` on its own cache."""
+
+    def __init__(self, name: str, prefill, step):
+        self.name, self.prefill, self.step = name, prefill, step
+        self.prefill_s: list[float] = []
+        self.step_s: list[float] = []
+
+    def measure(self, ids: torch.Tensor, prefill: int) -> None:
+        self.prefill_s.append(timed(lambda: self.prefill(ids[:, :prefill])))
+        steps = [timed(lambda p=p: self.step(ids[:, p:p + 1], p)) for p in range(prefill, ids.shape[1])]
+        self.step_s.append(statistics.median(steps))
+
+
+def dsv41_contender(name: str, cfg: ModelConfig, seed: int, max_len: int, **runtime) -> tuple[Contender, Transformer]:
+    model = init_random_(Transformer(cfg, RuntimeConfig(max_seq_len=max_len, max_batch_size=BATCH, **runtime)), seed)
+    state = {}
+
+    def prefill(ids):
+        state["cache"] = model.new_cache(ids.shape[0], max_len)
+        out = model(ids, 0, state["cache"])
+        model.logits(out.hidden[:, -1])
+
+    def step(ids, position):
+        out = model(ids, position, state["cache"])
+        model.logits(out.hidden[:, -1])
+
+    return Contender(name, prefill, step), model
+
+
+def reference_contender(module, ours: Transformer, max_len: int) -> Contender:
+    with default_dtype(torch.bfloat16):
+        ref = module.Transformer(reference_args(module, ours.cfg, max_len))
+    copy_weights(ours, ref)
+
+    def run(ids, position):
+        with default_dtype(torch.bfloat16):
+            ref(ids, position)
+
+    return Contender("public reference", lambda ids: run(ids, 0), run)
+
+
+def bandwidth_gb_s() -> float:
+    """Best of 5 copies of 256 MB (read + write)."""
+    src = torch.empty(1 << 26, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    best = min(timed(lambda: dst.copy_(src)) for _ in range(5))
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def decode_bytes(model: Transformer) -> int:
+    """Weight bytes one fast decode step reads: everything but the embedding and the unchosen experts."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name.startswith("embed.") or ".ffn.experts." in name:
+            continue
+        total += p.numel() * p.element_size()
+    cfg = model.cfg
+    for block in model.layers:
+        bank = block.ffn.experts
+        per_expert = sum(w.weight[0].numel() * w.weight.element_size() for w in (bank.w1, bank.w2, bank.w3))
+        total += per_expert * cfg.n_activated_experts
+    return total
+
+
+def batch_speedup(model: Transformer, prefill: int, steps: int) -> tuple[float, float]:
+    """(ms per step at batch 1, aggregate tokens/s at batch 16 over batch 1) for fast decode."""
+    rates = []
+    for batch in (1, BATCH):
+        ids = torch.randint(0, model.cfg.vocab_size, (batch, prefill + steps), generator=torch.Generator().manual_seed(4))
+        cache = model.new_cache(batch, prefill + steps)
+        model(ids[:, :prefill], 0, cache)
+        times = []
+        for p in range(prefill, prefill + steps):
+            times.append(timed(lambda p=p: model.logits(model(ids[:, p:p + 1], p, cache).hidden[:, -1])))
+        rates.append((statistics.median(times), batch / statistics.median(times)))
+    return rates[0][0] * 1e3, rates[1][1] / rates[0][1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reference", required=True, type=Path, help="the reference's inference/ folder (CPU port)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--prefill", type=int, default=128)
+    ap.add_argument("--decode", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    cfg = config(args.dim, args.layers)
+    max_len = args.prefill + args.decode + 8
+    module = import_reference(args.reference)
+    invariant, model = dsv41_contender("dsv41 reference/invariant", cfg, 0, max_len)
+    contenders = [reference_contender(module, model, max_len), invariant,
+                  dsv41_contender("dsv41 reference/blas", cfg, 0, max_len, kernels="blas")[0]]
+    fast, fast_model = dsv41_contender("dsv41 fast (bf16)", cfg, 0, max_len, numerics="fast")
+    contenders.append(fast)
+    ids = torch.randint(0, cfg.vocab_size, (1, args.prefill + args.decode), generator=torch.Generator().manual_seed(1))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"dim {cfg.dim}, {cfg.n_layers} layers, top-{cfg.n_activated_experts} of {cfg.n_routed_experts} experts, "
+          f"{params / 1e6:.1f}M parameters; prefill {args.prefill}, {args.decode} decode steps; "
+          f"{args.threads} thread(s), medians of {args.repeats}, alternating")
+    for _ in range(args.repeats):
+        for c in contenders:
+            c.measure(ids, args.prefill)
+    base_tps = args.prefill / statistics.median(contenders[0].prefill_s)
+    base_ms = statistics.median(contenders[0].step_s) * 1e3
+    print(f"{'':<26} {'prefill tok/s':>13} {'decode ms':>10} {'prefill ×':>10} {'decode ×':>9}")
+    for c in contenders:
+        tps, ms = args.prefill / statistics.median(c.prefill_s), statistics.median(c.step_s) * 1e3
+        print(f"{c.name:<26} {tps:>13.1f} {ms:>10.2f} {tps / base_tps:>9.2f}x {base_ms / ms:>8.2f}x")
+    gb_s, need = bandwidth_gb_s(), decode_bytes(fast_model)
+    floor_ms = need / gb_s / 1e6
+    fast_ms = statistics.median(fast.step_s) * 1e3
+    print(f"memory: {gb_s:.1f} GB/s (copy); a fast decode step reads {need / 1e6:.1f} MB of weights, floor "
+          f"{floor_ms:.2f} ms: fast decode runs at {100 * floor_ms / fast_ms:.0f}% of it")
+    one_ms, scale = batch_speedup(fast_model, args.prefill, args.decode)
+    print(f"fast decode batch {BATCH}: {scale:.2f}x the tokens/s of batch 1 ({one_ms:.2f} ms per batch-1 step)")
+
+
+if __name__ == "__main__":
+    main()
