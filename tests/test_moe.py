@@ -162,6 +162,27 @@ def moe_oracle(moe, x, image_mask, quantised):
     return y.to(x.dtype).view_as(x)
 
 
+@pytest.mark.parametrize("storage", ["fp4", "fp8"])
+def test_decode_pairs_at_once_equal_the_expert_loop_bit_for_bit(storage, monkeypatch):
+    """Reference numerics with invariant kernels: a one-token call runs its pairs as one batched GEMM per
+    projection (the per-expert loop is not called), and each token's output equals its row of a
+    16-token call, which runs the per-expert loop."""
+    moe = init_random_(MoE(D, F_, E, A, 1.5, LIMIT, storage, vision=False, numerics=Numerics.default("reference")), 22)
+    x = torch.randn(1, 16, D, generator=torch.Generator().manual_seed(23)).to(torch.bfloat16)
+    together = moe(x)
+    loop = moe.experts._per_expert
+
+    def refused(*args):
+        raise AssertionError("a one-token call ran the per-expert loop")
+
+    monkeypatch.setattr(moe.experts, "_per_expert", refused)
+    for t in range(16):
+        assert torch.equal(moe(x[:, t:t + 1]), together[:, t:t + 1])
+    monkeypatch.setattr(moe.experts, "_per_expert", loop)
+    assert not Numerics("reference", "blas").pairs_at_once(storage)         # BLAS sums follow the call shape
+    assert not Numerics.default("reference").pairs_at_once("bf16")          # float64 sums of bf16: not exact
+
+
 @pytest.mark.parametrize("tokens", [3, 16], ids=["gathered", "grouped"])
 def test_moe_fast_float32_against_loop(tokens):
     moe, dtype = make_moe("fast")

@@ -119,18 +119,21 @@ def byte_table(fmt: str, dtype: torch.dtype = torch.float32) -> Tensor:
 
 
 # A table row viewed as one element of the same bytes, so the lookup is a plain copy of rows.
-_ROW_AS_ELEMENT = {2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
+_ROW_AS_ELEMENT = {4: torch.int32, 8: torch.int64, 16: torch.complex128}
+_BYTE_ROWS = {(fmt, dtype): table.view(256, -1).view(_ROW_AS_ELEMENT[table[0].numel() * table.element_size()])
+              for dtype, tables in _BYTE_TABLES.items() for fmt, table in tables.items()}
 
 
 def decode_bytes(stored: Tensor, table: Tensor) -> Tensor:
     """Stored bytes [..., n] → their values through `byte_table` ([..., n], or [..., 2n] for packed
     fp4): one lookup of whole table rows (as same-size integers) with 32-bit indices, several times
     faster on the CPU than torch's fp8 cast or an unpack-then-decode of fp4."""
-    rows = table.to(stored.device).view(256, -1)
-    element = _ROW_AS_ELEMENT[rows.shape[1] * rows.element_size()]
+    fmt = "e4m3" if table.dim() == 1 else "e2m1x2"
+    rows = _BYTE_ROWS[fmt, table.dtype]
+    if rows.device != stored.device:
+        rows = rows.to(stored.device)
     codes = stored.reshape(-1).view(torch.uint8).to(torch.int32)
-    values = rows.view(element).index_select(0, codes)
-    return values.view(table.dtype).view(*stored.shape[:-1], -1)
+    return rows.index_select(0, codes).view(table.dtype).view(*stored.shape[:-1], -1)
 
 
 def pack_fp4(codes: Tensor) -> Tensor:
@@ -215,7 +218,7 @@ def quantize_fp8_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
 
 def dequantize_fp8_rows(weight: Tensor, scale: Tensor) -> Tensor:
     """Engram table rows: e4m3 [..., n] with ue8m0 [..., n/32] (1x32 blocks along the row) -> fp32."""
-    return _scale_last_dim(weight.to(torch.float32), _scale_as_float(scale), ENGRAM_BLOCK)
+    return _scale_last_dim(decode_bytes(weight, byte_table("e4m3")), _scale_as_float(scale), ENGRAM_BLOCK)
 
 
 # ---------------------------------------------------------------- activations (§6.3, §6.4) -----

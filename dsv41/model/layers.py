@@ -71,12 +71,12 @@ def stored_dtypes(storage: str, numerics: Numerics, compute_dtype: torch.dtype
 
 def block_operands(weight: torch.Tensor, scale: torch.Tensor, storage: str, out_features: int,
                    dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """A quantised [out, in] weight as the blockwise GEMM takes it: (code values [out, in] in `dtype`,
-    the precision the GEMM sums in, decoded straight into it; power-of-two scales fp32 [out, in/32], one
-    per output row and K block) (§6.2)."""
+    """A quantised [..., out, in] weight as the blockwise GEMM takes it: (code values [..., out, in] in
+    `dtype`, the precision the GEMM sums in, decoded straight into it; power-of-two scales fp32
+    [..., out, in/32], one per output row and K block) (§6.2)."""
     if storage == "fp4":
         return formats.decode_bytes(weight, formats.byte_table("e2m1x2", dtype)), formats.e8m0_to_float(scale)
-    rows = formats.e8m0_to_float(scale).repeat_interleave(formats.FP8_WEIGHT_BLOCK, dim=0)[:out_features]
+    rows = formats.e8m0_to_float(scale).repeat_interleave(formats.FP8_WEIGHT_BLOCK, dim=-2)[..., :out_features, :]
     return formats.decode_bytes(weight, formats.byte_table("e4m3", dtype)), rows
 
 
@@ -89,6 +89,17 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     flat = q.reshape(-1, q.shape[-1])
     y = numerics.block_scaled_matmul(flat, q_scale.reshape(flat.shape[0], -1), values, w_scale, storage)
     return y.to(torch.bfloat16).view(*x.shape[:-1], out_features)
+
+
+def quantized_pairs(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str,
+                    out_features: int, numerics: Numerics) -> torch.Tensor:
+    """`quantized_linear` of P rows, each through its own weight: x [P, in], weight/scale [P, …] → bf16
+    [P, out]. Only where `numerics.pairs_at_once(storage)`: exact block sums make each pair's bits
+    those of running its row alone."""
+    q, q_scale = formats.fp8_act_quant(x.float())
+    values, w_scale = block_operands(weight, scale, storage, out_features, numerics.block_operand_dtype(storage))
+    y = numerics.block_scaled_matmul(q.unsqueeze(1), q_scale.unsqueeze(1), values, w_scale, storage)
+    return y.squeeze(1).to(torch.bfloat16)
 
 
 def dense_storage(cfg) -> str:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layers import Linear, quantized_linear, stored_dtypes, weight_shapes
+from .layers import Linear, quantized_linear, quantized_pairs, stored_dtypes, weight_shapes
 from .numerics import Numerics
 from .topk import topk as ordered_topk
 from ..parallel.context import ParallelContext
@@ -86,6 +86,19 @@ class StackedWeight(nn.Module):
         else:
             self.register_parameter("scale", None)
 
+    def apply_pairs(self, x: torch.Tensor, experts: torch.Tensor, numerics: Numerics,
+                    beside: "StackedWeight | None" = None) -> torch.Tensor:
+        """x [P, in], row p through expert experts[p]: one batched quantised GEMM over the pairs'
+        gathered stored bytes (never a dequantised copy) → bf16 [P, out]; with `beside` (a bank of the
+        same input width), both banks' rows in one call → [P, out + beside.out]."""
+        weight, scale, out = self.weight[experts], self.scale[experts], self.out_features
+        if beside is not None:
+            # rows join whole scale blocks: an expert's hidden width is a multiple of 32 (w2's input blocks)
+            weight = torch.cat([weight, beside.weight[experts]], dim=1)
+            scale = torch.cat([scale, beside.scale[experts]], dim=1)
+            out += beside.out_features
+        return quantized_pairs(x, weight, scale, self.storage, out, numerics)
+
     def apply(self, x: torch.Tensor, expert: int, numerics: Numerics) -> torch.Tensor:
         """x [m, in] through expert `expert`: the quantised blockwise GEMM (bf16 out) or one matmul."""
         if self.scale is not None:
@@ -125,6 +138,8 @@ class RoutedExperts(nn.Module):
         token, expert, w = token[order], expert[order], w[order]
         if self.numerics.grouped_experts:
             out = self._grouped(x[token], expert, w)
+        elif self.numerics.pairs_at_once(self.w1.storage) and expert.numel() <= self.n_experts:
+            out = self._pairs(x[token], expert.clamp(max=self.n_experts - 1), w)
         else:
             out = self._per_expert(x[token], expert, w)
         if local is not None:
@@ -150,6 +165,12 @@ class RoutedExperts(nn.Module):
                 out[start:end] = self.w2.apply(h, e, self.numerics).to(x.dtype)
             start = end
         return out
+
+    def _pairs(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Few pairs (a decode step): every pair at once through its expert's gathered bytes, instead of
+        one quantised GEMM per expert and projection; the same bits (exact block sums)."""
+        gate, up = self.w1.apply_pairs(x, expert, self.numerics, beside=self.w3).chunk(2, dim=-1)
+        return self.w2.apply_pairs(self._finish(gate, up, w, x.dtype), expert, self.numerics).to(x.dtype)
 
     def _grouped(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Pairs sorted by expert (weights held dequantised by fast numerics) → outputs [P, D]: one

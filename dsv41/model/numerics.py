@@ -49,6 +49,8 @@ ATTENTION_BLOCK = 64
 GEMM_BLOCK = 32
 # Largest float64 weight copy an invariant matmul makes at once (the head is 129280 × 5120).
 FLOAT64_CHUNK_ELEMENTS = 1 << 25
+# Stored bytes fewer than this decode by torch's cast (one op) rather than the table lookup (several).
+CAST_BELOW = 1 << 14
 # Largest batch of per-block partial sums an invariant quantised GEMM holds at once.
 BLOCK_PARTIALS_ELEMENTS = 1 << 23
 
@@ -194,6 +196,8 @@ class Numerics:
 
         q [M, K] e4m3 activations, q_scale [M, nb]; w [N, K] code values of an `storage` ("fp8": e4m3,
         "fp4": e2m1) weight, unscaled, in `block_operand_dtype(storage)`; w_scale [N, nb] per output row.
+        Invariant kernels also take a leading pair dim P on all four ([P, M, K] … → [P, M, N]): one
+        weight per pair.
         Each 32-wide K block is summed on its own, the partial sum scaled by both (power-of-two) scales
         and added to an fp32 accumulator in K order. BLAS kernels run one fp32 product per block, at
         the reference's shapes. Invariant kernels sum a block exactly, then round it once, so the
@@ -207,10 +211,11 @@ class Numerics:
           units of 2⁻¹⁰ likewise. Every partial sum fits float32's 24 bits, in any order and with FMA;
           the two halves add exactly in float64. This reads 4 bytes per weight instead of 8.
         """
-        M, K = q.shape
+        M, K = q.shape[-2:]
         nb = K // GEMM_BLOCK
-        a = formats.decode_bytes(q, formats.byte_table("e4m3", w.dtype))
-        acc = torch.zeros(M, w.shape[0], dtype=torch.float32, device=q.device)
+        # activations are small: torch's exact widening cast is one op, the table lookup several
+        a = q.to(w.dtype) if q.numel() < CAST_BELOW else formats.decode_bytes(q, formats.byte_table("e4m3", w.dtype))
+        acc = torch.zeros(*q.shape[:-1], w.shape[-2], dtype=torch.float32, device=q.device)
         if not self.invariant:
             for k in range(nb):
                 cols = slice(k * GEMM_BLOCK, (k + 1) * GEMM_BLOCK)
@@ -219,20 +224,27 @@ class Numerics:
         split = storage == "fp4"
         if split:
             whole = a.trunc()
-            a = torch.cat([whole, a - whole])                                      # [2M, K], both exact
-        rows = a.shape[0]
-        a_blocks = a.view(rows, nb, GEMM_BLOCK).transpose(0, 1)                    # [nb, rows, 32]
-        w_blocks = w.view(-1, nb, GEMM_BLOCK).permute(1, 2, 0)                     # [nb, 32, N]
-        step = max(1, BLOCK_PARTIALS_ELEMENTS // max(rows * w.shape[0], 1))
+            a = torch.cat([whole, a - whole], dim=-2)                              # [..., 2M, K], both exact
+        rows, lead = a.shape[-2], a.shape[:-2]
+        a_blocks = a.view(*lead, rows, nb, GEMM_BLOCK).transpose(-3, -2)           # [..., nb, rows, 32]
+        w_blocks = w.view(*lead, -1, nb, GEMM_BLOCK).movedim(-3, -1)               # [..., nb, 32, N]
+        step = max(1, BLOCK_PARTIALS_ELEMENTS // max(a.shape[:-1].numel() * w.shape[-2], 1))
         for k0 in range(0, nb, step):
             ks = slice(k0, min(nb, k0 + step))
-            exact = torch.bmm(a_blocks[ks], w_blocks[ks])                          # [k, rows, N]
+            exact = torch.matmul(a_blocks[..., ks, :, :], w_blocks[..., ks, :, :])   # [..., k, rows, N]
             if split:
-                exact = exact[:, :M].double() + exact[:, M:].double()
-            partial = exact.float() * q_scale[:, ks].t().unsqueeze(-1) * w_scale[:, ks].t().unsqueeze(1)
-            for block in partial:                                                  # one rounding per block
+                exact = exact[..., :M, :].double() + exact[..., M:, :].double()
+            partial = (exact.float() * q_scale[..., ks].transpose(-1, -2).unsqueeze(-1)
+                       * w_scale[..., ks].transpose(-1, -2).unsqueeze(-2))
+            for block in partial.unbind(-3):                                       # one rounding per block
                 acc += block
         return acc
+
+    def pairs_at_once(self, storage: str) -> bool:
+        """Whether routed experts stored as `storage` may run their (token, expert) pairs as one batched
+        product per projection: with exact block sums a pair's bits do not depend on which rows share
+        its call (docs/NUMERICS.md N7, N9)."""
+        return self.quantized and self.invariant and storage in ("fp8", "fp4")
 
 
 def _round(x64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
