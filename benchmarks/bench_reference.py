@@ -105,7 +105,7 @@ def bandwidth_gb_s() -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def decode_bytes(model: Transformer) -> int:
+def decode_weight_bytes(model: Transformer) -> int:
     """Weight bytes one fast decode step reads: everything but the embedding and the unchosen experts."""
     total = 0
     for name, p in model.named_parameters():
@@ -168,7 +168,7 @@ def main() -> None:
     for c in contenders:
         tps, ms = args.prefill / statistics.median(c.prefill_s), statistics.median(c.step_s) * 1e3
         print(f"{c.name:<26} {tps:>13.1f} {ms:>10.2f} {tps / base_tps:>9.2f}x {base_ms / ms:>8.2f}x")
-    gb_s, need = bandwidth_gb_s(), decode_bytes(fast_model)
+    gb_s, need = bandwidth_gb_s(), decode_weight_bytes(fast_model)
     floor_ms = need / gb_s / 1e6
     fast_ms = statistics.median(fast.step_s) * 1e3
     print(f"memory: {gb_s:.1f} GB/s (copy); a fast decode step reads {need / 1e6:.1f} MB of weights, floor "
