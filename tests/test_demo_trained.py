@@ -96,3 +96,13 @@ def test_greedy_continuation_is_the_recorded_one(tokenizer, kind, prompt):
     config = GenerationConfig(max_new_tokens=24, sampling=SamplingParams(temperature=0.0))
     [done] = generate_all(model, tokenizer, [ids], config)
     assert done.token_ids == GOLDEN[kind], (done.token_ids, done.text)
+
+
+def test_the_training_data_is_the_documented_file():
+    """data/README.md's size and checksum are those of the shipped text (the demo's provenance)."""
+    import hashlib
+
+    text = (REPO / "data" / "tinyshakespeare.txt").read_bytes()
+    readme = (REPO / "data" / "README.md").read_text()
+    assert hashlib.sha256(text).hexdigest() in readme
+    assert f"{len(text.decode('utf-8')):,} characters" in readme
