@@ -365,4 +365,4 @@ class RuntimeConfig:
     def numerics_policy(self):
         """The `Numerics` object every module of a model built with this runtime shares."""
         from .model.numerics import Numerics
-        return Numerics.for_device(self.numerics, self.kernels, self.device)
+        return Numerics.for_device(self.numerics, self.kernels, self.device, self.dtype)

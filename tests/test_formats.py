@@ -174,17 +174,17 @@ def test_torch_e4m3_cast_matches_enumeration():
 def test_byte_tables_decode_every_stored_byte(dtype):
     """The lookup decoders against the bit-layout enumerations, for every byte and in a packed matrix."""
     every = torch.arange(256, dtype=torch.uint8)
-    e4m3 = F.decode_bytes(every.view(torch.float8_e4m3fn), F.byte_table("e4m3", dtype))
+    e4m3 = F.decode_bytes(every.view(torch.float8_e4m3fn), "e4m3", dtype)
     assert e4m3.dtype == dtype and same(e4m3, torch.tensor([e4m3_code_value(c) for c in range(256)]))
     magnitudes = E2M1_MAGNITUDES + [-m for m in E2M1_MAGNITUDES]
-    pairs = F.decode_bytes(every.view(torch.int8).unsqueeze(0), F.byte_table("e2m1x2", dtype))
+    pairs = F.decode_bytes(every.view(torch.int8).unsqueeze(0), "e2m1x2", dtype)
     expected = [v for b in range(256) for v in (magnitudes[b & 15], magnitudes[b >> 4])]   # low nibble first
     assert pairs.shape == (1, 512) and same(pairs, torch.tensor([expected]))
     packed = torch.randint(-128, 128, (3, 5, 8), dtype=torch.int8, generator=torch.Generator().manual_seed(2))
-    got = F.decode_bytes(packed, F.byte_table("e2m1x2", dtype))
+    got = F.decode_bytes(packed, "e2m1x2", dtype)
     assert got.shape == (3, 5, 16) and same(got, F.fp4_decode(F.unpack_fp4(packed)))
     with pytest.raises(ValueError, match="unknown byte format"):
-        F.byte_table("e5m2")
+        F.decode_bytes(packed, "e5m2")
 
 
 # ---------------------------------------------------------------- fp8 weights -------------------

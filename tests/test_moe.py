@@ -229,6 +229,7 @@ def test_grouped_expert_gemm_against_the_loop_and_the_oracle():
 
 def test_the_expert_kernel_follows_the_device_and_numerics():
     assert Numerics.for_device("fast", None, "cuda") == Numerics("fast", "blas", "grouped")
+    assert Numerics.for_device("fast", None, "cuda", "float32").experts == "loop"     # grouped kernels take bf16
     assert Numerics.for_device("fast", None, "cpu") == Numerics("fast", "blas", "loop")
     assert Numerics.for_device("fast", "invariant", "cuda").experts == "loop"      # grouping sums in its own order
     assert Numerics.for_device("reference", None, "cuda:0").experts == "loop"

@@ -105,17 +105,10 @@ def _byte_tables(dtype: torch.dtype) -> dict[str, Tensor]:
             "e2m1x2": torch.stack((E2M1_VALUES[raw & 0xF], E2M1_VALUES[raw >> 4]), dim=-1).to(dtype)}
 
 
-# Built once: the GEMMs look them up on every call (float64 for invariant kernels' exact block sums).
+# The value of every byte of a stored format: "e4m3" [256] (torch's own exact widening cast, once per
+# byte), "e2m1x2" [256, 2] (a packed byte's even and odd element). Built once, read-only: the GEMMs look
+# them up on every call (float64 for invariant kernels' exact block sums).
 _BYTE_TABLES = {dtype: _byte_tables(dtype) for dtype in (torch.float32, torch.float64)}
-
-
-def byte_table(fmt: str, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The value of every byte of a stored format, in `dtype` (fp32 or float64): "e4m3" → [256]
-    (torch's own exact widening cast, once per byte), "e2m1x2" → [256, 2] (a packed byte's even and
-    odd element). Read-only: shared by every caller."""
-    if fmt not in ("e4m3", "e2m1x2"):
-        raise ValueError(f"unknown byte format {fmt!r}; expected 'e4m3' or 'e2m1x2'")
-    return _BYTE_TABLES[dtype][fmt]
 
 
 # A table row viewed as one element of the same bytes, so the lookup is a plain copy of rows.
@@ -124,16 +117,18 @@ _BYTE_ROWS = {(fmt, dtype): table.view(256, -1).view(_ROW_AS_ELEMENT[table[0].nu
               for dtype, tables in _BYTE_TABLES.items() for fmt, table in tables.items()}
 
 
-def decode_bytes(stored: Tensor, table: Tensor) -> Tensor:
-    """Stored bytes [..., n] → their values through `byte_table` ([..., n], or [..., 2n] for packed
-    fp4): one lookup of whole table rows (as same-size integers) with 32-bit indices, several times
-    faster on the CPU than torch's fp8 cast or an unpack-then-decode of fp4."""
-    fmt = "e4m3" if table.dim() == 1 else "e2m1x2"
-    rows = _BYTE_ROWS[fmt, table.dtype]
+def decode_bytes(stored: Tensor, fmt: str, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Stored bytes [..., n] of `fmt` ("e4m3", or "e2m1x2" packed fp4) → their values in `dtype`
+    ([..., n], or [..., 2n] for packed fp4): one lookup of whole table rows (as same-size
+    integers) with 32-bit indices, several times faster on the CPU than torch's fp8 cast or an
+    unpack-then-decode of fp4."""
+    if (fmt, dtype) not in _BYTE_ROWS:
+        raise ValueError(f"unknown byte format {fmt!r} in {dtype}; expected 'e4m3' or 'e2m1x2' in fp32 or float64")
+    rows = _BYTE_ROWS[fmt, dtype]
     if rows.device != stored.device:
         rows = rows.to(stored.device)
     codes = stored.reshape(-1).view(torch.uint8).to(torch.int32)
-    return rows.index_select(0, codes).view(table.dtype).view(*stored.shape[:-1], -1)
+    return rows.index_select(0, codes).view(dtype).view(*stored.shape[:-1], -1)
 
 
 def pack_fp4(codes: Tensor) -> Tensor:
@@ -218,7 +213,7 @@ def quantize_fp8_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
 
 def dequantize_fp8_rows(weight: Tensor, scale: Tensor) -> Tensor:
     """Engram table rows: e4m3 [..., n] with ue8m0 [..., n/32] (1x32 blocks along the row) -> fp32."""
-    return _scale_last_dim(decode_bytes(weight, byte_table("e4m3")), _scale_as_float(scale), ENGRAM_BLOCK)
+    return _scale_last_dim(decode_bytes(weight, "e4m3"), _scale_as_float(scale), ENGRAM_BLOCK)
 
 
 # ---------------------------------------------------------------- activations (§6.3, §6.4) -----

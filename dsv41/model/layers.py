@@ -75,9 +75,9 @@ def block_operands(weight: torch.Tensor, scale: torch.Tensor, storage: str, out_
     `dtype`, the precision the GEMM sums in, decoded straight into it; power-of-two scales fp32
     [..., out, in/32], one per output row and K block) (§6.2)."""
     if storage == "fp4":
-        return formats.decode_bytes(weight, formats.byte_table("e2m1x2", dtype)), formats.e8m0_to_float(scale)
+        return formats.decode_bytes(weight, "e2m1x2", dtype), formats.e8m0_to_float(scale)
     rows = formats.e8m0_to_float(scale).repeat_interleave(formats.FP8_WEIGHT_BLOCK, dim=-2)[..., :out_features, :]
-    return formats.decode_bytes(weight, formats.byte_table("e4m3", dtype)), rows
+    return formats.decode_bytes(weight, "e4m3", dtype), rows
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str,

@@ -9,7 +9,10 @@ numerics policy's `experts` choice:
 - "loop" (always in reference numerics or with invariant kernels): each expert that has rows runs once
   over all of them, in ascending expert order, as the reference's expert loop does — the quantised
   blockwise GEMM, or one matmul per projection — so a row's result does not depend on its neighbours,
-  and a decode step reads only its chosen experts' weights, in place;
+  and a decode step reads only its chosen experts' weights, in place. Quantised experts under
+  invariant kernels run a call with no more pairs than experts (a decode step) as one batched GEMM per
+  projection over the pairs' gathered stored bytes instead: exact block sums give the same bits
+  (docs/NUMERICS.md N7);
 - "grouped" (fast numerics on accelerators): one grouped GEMM per projection over the pairs sorted by
   expert, with group offsets on the device (no per-expert host synchronisation, STYLE.md P7).
 """

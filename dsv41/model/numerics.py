@@ -80,12 +80,13 @@ class Numerics:
         return cls(mode, "invariant" if mode == "reference" else "blas")
 
     @classmethod
-    def for_device(cls, mode: str, kernels: str | None, device: str) -> "Numerics":
+    def for_device(cls, mode: str, kernels: str | None, device: str, dtype: str = "bfloat16") -> "Numerics":
         """The policy of a model on `device`: kernels as given (None: `default`), and the grouped expert
-        GEMM on accelerators when fast numerics run BLAS kernels."""
+        GEMM on accelerators when fast numerics run BLAS kernels in bf16 (the accelerators' grouped
+        kernels take bf16)."""
         policy = cls.default(mode) if kernels is None else cls(mode, kernels)
         on_accelerator = torch.device(device).type not in ("cpu", "meta")
-        if on_accelerator and not (policy.quantized or policy.invariant):
+        if on_accelerator and dtype == "bfloat16" and not (policy.quantized or policy.invariant):
             return cls(policy.mode, policy.kernels, "grouped")
         return policy
 
@@ -215,7 +216,7 @@ class Numerics:
         M, K = q.shape[-2:]
         nb = K // GEMM_BLOCK
         # activations are small: torch's exact widening cast is one op, the table lookup several
-        a = q.to(w.dtype) if q.numel() < CAST_BELOW else formats.decode_bytes(q, formats.byte_table("e4m3", w.dtype))
+        a = q.to(w.dtype) if q.numel() < CAST_BELOW else formats.decode_bytes(q, "e4m3", w.dtype)
         acc = torch.zeros(*q.shape[:-1], w.shape[-2], dtype=torch.float32, device=q.device)
         if not self.invariant:
             for k in range(nb):
