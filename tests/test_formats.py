@@ -183,6 +183,10 @@ def test_byte_tables_decode_every_stored_byte(dtype):
     packed = torch.randint(-128, 128, (3, 5, 8), dtype=torch.int8, generator=torch.Generator().manual_seed(2))
     got = F.decode_bytes(packed, "e2m1x2", dtype)
     assert got.shape == (3, 5, 16) and same(got, F.fp4_decode(F.unpack_fp4(packed)))
+    # every pair of neighbouring bytes (fp32 e4m3 looks two up at once), and an odd row length
+    pairs_of_bytes = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.uint8).view(torch.float8_e4m3fn)
+    assert same(F.decode_bytes(pairs_of_bytes.view(256, 512), "e4m3", dtype), pairs_of_bytes.view(256, 512).float())
+    assert same(F.decode_bytes(every[:3].view(torch.float8_e4m3fn), "e4m3", dtype), e4m3[:3])
     with pytest.raises(ValueError, match="unknown byte format"):
         F.decode_bytes(packed, "e5m2")
 

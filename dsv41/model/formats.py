@@ -99,35 +99,49 @@ def fp4_decode(codes: Tensor) -> Tensor:
     return E2M1_VALUES.to(codes.device)[codes.to(torch.long)]
 
 
-def _byte_tables(dtype: torch.dtype) -> dict[str, Tensor]:
+def _byte_values(fmt: str) -> Tensor:
+    """fp32 [256]: the value of every byte of "e4m3" (torch's own exact widening cast, once per byte)
+    or [256, 2] of a packed "e2m1x2" byte (its even element in the low nibble, then its odd one)."""
     raw = torch.arange(256, dtype=torch.int32)
-    return {"e4m3": raw.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).to(dtype),
-            "e2m1x2": torch.stack((E2M1_VALUES[raw & 0xF], E2M1_VALUES[raw >> 4]), dim=-1).to(dtype)}
+    if fmt == "e4m3":
+        return raw.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    return torch.stack((E2M1_VALUES[raw & 0xF], E2M1_VALUES[raw >> 4]), dim=-1)
 
 
-# The value of every byte of a stored format: "e4m3" [256] (torch's own exact widening cast, once per
-# byte), "e2m1x2" [256, 2] (a packed byte's even and odd element). Built once, read-only: the GEMMs look
-# them up on every call (float64 for invariant kernels' exact block sums).
-_BYTE_TABLES = {dtype: _byte_tables(dtype) for dtype in (torch.float32, torch.float64)}
+# Lookup tables of whole rows viewed as one integer (or complex) element of the same bytes, so a
+# lookup is a plain row copy: (stored bytes per index, rows). A row of 4 bytes is as slow to copy as
+# the fp8 cast, so fp32 e4m3 looks up two stored bytes at once (65,536 rows, index = even + 256 · odd,
+# little-endian). Built once, read-only.
+_ROW_AS_ELEMENT = {8: torch.int64, 16: torch.complex128}
 
 
-# A table row viewed as one element of the same bytes, so the lookup is a plain copy of rows.
-_ROW_AS_ELEMENT = {4: torch.int32, 8: torch.int64, 16: torch.complex128}
-_BYTE_ROWS = {(fmt, dtype): table.view(256, -1).view(_ROW_AS_ELEMENT[table[0].numel() * table.element_size()])
-              for dtype, tables in _BYTE_TABLES.items() for fmt, table in tables.items()}
+def _lookup(values: Tensor, dtype: torch.dtype) -> Tensor:
+    rows = values.to(dtype).reshape(values.shape[0], -1).contiguous()
+    return rows.view(_ROW_AS_ELEMENT[rows.shape[1] * rows.element_size()]).reshape(-1)
+
+
+_E4M3 = _byte_values("e4m3")
+_E4M3_PAIRS = torch.stack((_E4M3.repeat(256), _E4M3.repeat_interleave(256)), dim=-1)
+_LOOKUPS = {("e4m3", torch.float32): (2, _lookup(_E4M3_PAIRS, torch.float32)),
+            ("e4m3", torch.float64): (1, _lookup(_E4M3, torch.float64)),
+            ("e2m1x2", torch.float32): (1, _lookup(_byte_values("e2m1x2"), torch.float32)),
+            ("e2m1x2", torch.float64): (1, _lookup(_byte_values("e2m1x2"), torch.float64))}
 
 
 def decode_bytes(stored: Tensor, fmt: str, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Stored bytes [..., n] of `fmt` ("e4m3", or "e2m1x2" packed fp4) → their values in `dtype`
-    ([..., n], or [..., 2n] for packed fp4): one lookup of whole table rows (as same-size
-    integers) with 32-bit indices, several times faster on the CPU than torch's fp8 cast or an
-    unpack-then-decode of fp4."""
-    if (fmt, dtype) not in _BYTE_ROWS:
+    """Stored bytes [..., n] of `fmt` ("e4m3", or "e2m1x2" packed fp4) → their values in `dtype` (fp32
+    or float64; [..., n], or [..., 2n] for packed fp4) by one table lookup per 1 or 2 stored bytes,
+    several times faster on the CPU than torch's fp8 cast or an unpack-then-decode of fp4
+    (`benchmarks/bench_formats.py`)."""
+    if (fmt, dtype) not in _LOOKUPS:
         raise ValueError(f"unknown byte format {fmt!r} in {dtype}; expected 'e4m3' or 'e2m1x2' in fp32 or float64")
-    rows = _BYTE_ROWS[fmt, dtype]
+    width, rows = _LOOKUPS[fmt, dtype]
+    if stored.shape[-1] % width:
+        return stored.view(torch.float8_e4m3fn).to(dtype)               # an odd row: e4m3 by the cast
     if rows.device != stored.device:
         rows = rows.to(stored.device)
-    codes = stored.reshape(-1).view(torch.uint8).to(torch.int32)
+    raw = stored.reshape(-1).view(torch.uint8)
+    codes = raw.view(torch.int16).to(torch.int32) & 0xFFFF if width == 2 else raw.to(torch.int32)
     return rows.index_select(0, codes).view(dtype).view(*stored.shape[:-1], -1)
 
 
