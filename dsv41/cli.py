@@ -24,7 +24,7 @@ import torch
 
 from . import __version__, load
 from .chat import encode_messages
-from .config import RuntimeConfig
+from .config import ModelConfig, RuntimeConfig
 from .demo import default_checkpoint
 from .engine.engine import GenerationConfig, generate_all
 from .engine.request import check_prompts
@@ -36,6 +36,7 @@ from .parallel.driver import Driver, await_load, follow, peer_failure
 from .parallel.launch import DEFAULT_TIMEOUT_S, init_parallel, launched_world_size, rank_device, shutdown
 from .tokenizer import Tokenizer
 from .training import command as training_command
+from .vision.sources import ImageSources, prompt_images
 
 EXIT_USAGE = 2
 EXIT_BUG = 1
@@ -172,16 +173,23 @@ def _generate_parser(sub) -> None:
     p.add_argument("--speculative", action="store_true",
                    help="draft with the DSpark stages and verify each row's drafts in the same forward "
                         "(lossless); prints the acceptance figures")
+    _add_image_option(p, "put the image before the prompt's text (repeatable, in order); with --raw, the "
+                         "prompt holds one <｜deepseek_image｜> per image")
     _add_chat_options(p)
     _add_model_options(p)
     _add_sampling_options(p)
+
+
+def _add_image_option(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--image", action="append", default=[], metavar="PATH", help=help)
 
 
 def _chat_parser(sub) -> None:
     p = sub.add_parser("chat", help="interactive chat (reads lines from stdin)",
                        description="Interactive chat. Each line is a user message; the history is re-encoded "
                                    "every turn. Commands: /exit, /clear, /system TEXT, /think on|off, "
-                                   "/effort N|low|high|max, /prompt [TEXT], /help.")
+                                   "/effort N|low|high|max, /image PATH, /prompt [TEXT], /help.")
+    _add_image_option(p, "attach the image to the first message (repeatable); /image PATH attaches one to the next")
     _add_chat_options(p)
     _add_model_options(p)
     _add_sampling_options(p)
@@ -223,6 +231,9 @@ def _serve_parser(sub) -> None:
     g.add_argument("--speculative", action="store_true",
                    help="DSpark speculative decoding for every request (lossless; needs DSpark stages)")
     g.add_argument("--seed", type=int, help="sampling seed of requests without one (default: random per start)")
+    g.add_argument("--image-dir", metavar="DIR", type=Path,
+                   help="requests may name local image files under DIR (default: images only as data URLs or "
+                        "base64; never fetched from the network)")
     _add_model_options(p)
 
 
@@ -437,14 +448,38 @@ def chat_messages(case, system: str | None) -> list[dict]:
     return messages
 
 
-def encode_case(tokenizer, case, args) -> list[int]:
+def image_blocks(paths: list[str]) -> list[dict]:
+    """`--image` files as chat image blocks (read when the prompt is built)."""
+    return [{"type": "image", "url": str(Path(p))} for p in paths]
+
+
+def with_images(case, paths: list[str]):
+    """A text prompt with `--image` files: one user message, the images first, then the text."""
+    if not paths:
+        return case
+    if not isinstance(case, str):
+        raise CliError("--image goes with a text prompt, not a message list (put image blocks in the messages)")
+    return [{"role": "user", "content": image_blocks(paths) + [{"type": "text", "text": case}]}]
+
+
+def encode_case(tokenizer, case, args) -> tuple[list[int], list[dict]]:
+    """A prompt's ids (one placeholder per image) and its image records in prompt order."""
     if args.raw:
         if not isinstance(case, str):
             raise CliError("--raw takes text prompts, not message lists")
-        return tokenizer.encode(case)
-    text = encode_messages(chat_messages(case, args.system), "thinking" if args.thinking else "chat",
-                           reasoning_effort=parse_effort(args.effort))
-    return tokenizer.encode_prompt(text)
+        return tokenizer.encode(case), image_blocks(args.image)
+    text, media = encode_messages(chat_messages(with_images(case, args.image), args.system),
+                                  "thinking" if args.thinking else "chat",
+                                  reasoning_effort=parse_effort(args.effort), return_multi_modal_data=True)
+    return tokenizer.encode_prompt(text), media["images"]
+
+
+def prompt_with_images(ids: list[int], records: list[dict], path: Path, tokenizer, where: str = "image"):
+    """ids with image spans (the images read and planned before the model loads); → (ids, spans)."""
+    if not records:
+        return ids, ()
+    cfg = ModelConfig.from_json(path)
+    return prompt_images(ids, records, cfg, ImageSources(local_files=True), where, tokenizer)
 
 
 def cmd_generate(args, models=None) -> int:
@@ -457,13 +492,18 @@ def cmd_generate(args, models=None) -> int:
     bad = [t for t in args.stop_id if not 0 <= t < tokenizer.vocab_size]
     if bad:
         raise CliError(f"--stop-id {bad[0]} is not a token id of this tokenizer (0 … {tokenizer.vocab_size - 1})")
-    prompts = [encode_case(tokenizer, c, args) for c in cases]
+    if args.image and len(cases) != 1:
+        raise CliError(f"--image goes with one prompt; {len(cases)} were given")
+    encoded = [encode_case(tokenizer, c, args) for c in cases]
+    expanded = [prompt_with_images(ids, records, path, tokenizer, "--image") for ids, records in encoded]
+    prompts, images = [ids for ids, _ in expanded], [spans for _, spans in expanded]
     config = generation_config(args, args.stop, args.stop_id)
     check_prompts(prompts, args.max_context, tokenizer.vocab_size)     # before the (slow) load
     model = models(path, len(prompts))
     _check_speculative(args, model)
     single = len(prompts) == 1
-    completions = generate_all(model, tokenizer, prompts, config, echo_to(sys.stdout) if single else None)
+    completions = generate_all(model, tokenizer, prompts, config, echo_to(sys.stdout) if single else None,
+                               images=images)
     if single:
         print(flush=True)
     for c in completions:
@@ -479,7 +519,7 @@ def cmd_chat(args, models=None) -> int:
     models = models or local_models(args)
     path = checkpoint_dir(args)
     tokenizer = Tokenizer.from_dir(path)
-    session = ChatSession(args.system, args.thinking, parse_effort(args.effort))
+    session = ChatSession(args.system, args.thinking, parse_effort(args.effort), images=args.image)
     config = generation_config(args)
     model = models(path, 1)
     interactive = sys.stdin.isatty()
@@ -577,7 +617,9 @@ def cmd_serve(args, models=None) -> int:
     name = args.served_model_name or ("dsv41-demo" if args.checkpoint is None else path.resolve().name)
     config = ServerConfig(model_name=name, api_key=args.api_key, max_batch=args.max_batch,
                           max_context=args.max_context, speculative=args.speculative, max_queue=args.max_queue,
-                          seed=args.seed)
+                          seed=args.seed, image_dir=args.image_dir)
+    if args.image_dir is not None and not args.image_dir.is_dir():
+        raise CliError(f"--image-dir {args.image_dir}: not a directory")
     Tokenizer.from_dir(path)                                  # a broken checkpoint fails here, not later
 
     def load_all():

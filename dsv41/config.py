@@ -255,6 +255,26 @@ def _validate(c: ModelConfig) -> None:
     _validate_indexer(c)
     _validate_engram(c)
     _validate_dspark(c)
+    _validate_vision(c)
+
+
+def _validate_vision(c: ModelConfig) -> None:
+    if not c.vision_enabled:
+        return
+    for name in ("vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size", "vision_downsample_ratio",
+                 "vision_max_n_token", "vision_min_pixels"):
+        _check(getattr(c, name) > 0, f"{name} must be positive when vision_n_layers > 0, got {getattr(c, name)}")
+    _divides("vision_dim", c.vision_dim, "vision_n_heads", c.vision_n_heads)
+    # 2D RoPE: half of each head's features rotate by the patch row, half by its column (§16.3)
+    _check((c.vision_dim // c.vision_n_heads) % 4 == 0,
+           f"the ViT head width vision_dim / vision_n_heads = {c.vision_dim // c.vision_n_heads} must be a multiple "
+           f"of 4 (2D RoPE)")
+    # the smallest span, one token of one row: START, IMAGE, NEW_LINE, END
+    _check(c.vision_max_n_token >= 4, f"vision_max_n_token must be at least 4, got {c.vision_max_n_token}")
+    _check(c.vision_max_wh_ratio is None or c.vision_max_wh_ratio > 0,
+           f"vision_max_wh_ratio must be positive or null, got {c.vision_max_wh_ratio}")
+    _check(c.image_token_id is not None and 0 <= c.image_token_id < c.vocab_size,
+           f"image_token_id must be a token id when vision_n_layers > 0, got {c.image_token_id}")
 
 
 def _validate_sources(c: ModelConfig) -> None:

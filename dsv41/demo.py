@@ -27,7 +27,7 @@ from .chat import encoding
 from .errors import UserError
 from .tokenizer import SPECIAL_TOKENS, save_tokenizer, train_bpe
 
-DEMO_NAME = "demo-v3"
+DEMO_NAME = "demo-v4"
 DEMO_SEED = 20261129
 DEMO_VOCAB = 1024
 _CORPUS = """\
@@ -68,15 +68,55 @@ def demo_config_dict(vocab_size: int, compressed_vocab_size: int) -> dict:
         dspark_block_size=5, dspark_noise_token_id=SPECIAL_TOKENS.index(encoding.SYSTEM),
         dspark_target_layer_ids=[5, 6, 7], dspark_markov_rank=32, dspark_n_routed_experts=4,
         dspark_n_activated_experts=2,
-        # no vision in the demo
-        vision_n_layers=0, vision_dim=0,
-        vision_n_heads=0, vision_inter_dim=0, vision_patch_size=0, vision_downsample_ratio=0,
-        vision_max_n_token=0, vision_min_pixels=0, vision_max_wh_ratio=None, vision_rope_theta=10000,
-        image_token_id=None,
+        **demo_vision(SPECIAL_TOKENS.index(encoding.IMAGE_PLACEHOLDER)),
     )
     base["engram_num_embeddings"] = list(table_rows(len(base["engram_layer_ids"]), base["engram_max_ngram_size"],
                                                     base["engram_n_heads"], base["engram_vocab_size"]))
     return base
+
+
+def demo_vision(image_token_id: int) -> dict:
+    """The demo's vision tower: a 2-block ViT of width 64 (4 heads of 16); an image costs at most 64
+    positions, and a square one, planned at 126 × 126 pixels (9 × 9 patches, 3 × 3 cells), 14."""
+    return dict(vision_n_layers=2, vision_dim=64, vision_n_heads=4, vision_inter_dim=128, vision_patch_size=14,
+                vision_downsample_ratio=3, vision_max_n_token=64, vision_min_pixels=126 * 126,
+                vision_max_wh_ratio=None, vision_rope_theta=10000.0, image_token_id=image_token_id)
+
+
+def attach_vision_tower(directory: Path, seed: int) -> Path:
+    """Give a text-only checkpoint the demo's vision tower, with random weights (`init_random_` at
+    `seed`: the ViT, the aligner, the span delimiters and every router's `bias_vl`), rewriting it
+    through the real writer; the text weights are copied unchanged."""
+    import torch
+
+    from .checkpoint.model_io import load_model, save_model
+    from .config import RuntimeConfig
+    from .model import Transformer
+    from .model.init import init_random_
+    from .tokenizer import Tokenizer
+
+    directory = Path(directory)
+    text = load_model(directory, RuntimeConfig(max_seq_len=256), check_memory=False, progress=False)
+    if text.cfg.vision_enabled:
+        raise UserError(f"{directory} already has a vision tower")
+    tokenizer = Tokenizer.from_dir(directory)
+    cfg = text.cfg.replace(**demo_vision(tokenizer.token_to_id(encoding.IMAGE_PLACEHOLDER)))
+    with torch.no_grad():
+        model = init_random_(Transformer(cfg, text.runtime), seed)
+        missing, unexpected = model.load_state_dict(text.state_dict(), strict=False)
+    if unexpected or any(not n.startswith(("vision.", "aligner.", "image_")) and not n.endswith("bias_vl")
+                         for n in missing):
+        raise UserError(f"{directory}: the text weights do not fit the vision build ({unexpected or missing})")
+    staging = Path(tempfile.mkdtemp(prefix=".vision-", dir=directory.parent))
+    try:
+        save_model(model, staging, tokenizer=directory, max_shard_bytes=8 << 20)
+        for old in directory.glob("model*.safetensors*"):
+            old.unlink()
+        for new in staging.iterdir():
+            shutil.move(str(new), directory / new.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
 
 
 def train_tokenizer():

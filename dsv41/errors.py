@@ -17,6 +17,10 @@ class InputError(UserError):
     """Inputs of a call that cannot be run: token ids, a cache, a request, sampling settings."""
 
 
+class ImageError(InputError):
+    """An image that cannot be used: not an image, truncated, too large, an unsupported mode or source."""
+
+
 class CheckpointError(UserError):
     """A checkpoint directory or file that is not what it must be (names the file and the tensor)."""
 

@@ -31,6 +31,9 @@ Living in it:
 - While a reply streams to a terminal, echo is off, and what was typed meanwhile is discarded when it
   ends (`TerminalGuard`); the terminal's settings are restored however the reply ends.
 - Piped stdin is read line by line as before: no readline, no prompt, no terminal handling.
+- `/image PATH` (and `dsv41 chat --image PATH`) attaches an image to the next message: the message's
+  content becomes the image blocks, then its text. The images stay in the history; each turn reads and
+  plans them again, and the engine's prefix reuse keeps the ViT from encoding them again.
 - `/prompt [TEXT]` writes to stdout (the stream the replies go to) the exact text `encode_messages`
   renders — with TEXT, the prompt the next turn would be encoded from if TEXT were the message; without
   it, the conversation so far (system prompt and history) — followed by one newline; its token count
@@ -55,6 +58,7 @@ from .chat import encode_messages, parse_completion, resolve_reasoning_effort
 from .engine.engine import Engine, GenerationConfig
 from .engine.request import Completion, StreamEvent, check_prompts
 from .tokenizer import Tokenizer
+from .vision.sources import ImageSources, prompt_images
 
 PROMPT = ">>> "
 HISTORY_FILE = "chat_history"
@@ -66,6 +70,7 @@ COMMANDS = (
     ("/system TEXT", "set the system prompt (empty: remove it)"),
     ("/think on|off", "thinking mode"),
     ("/effort N|low|high|max", "reasoning effort in thinking mode"),
+    ("/image PATH", "attach an image to the next message"),
     ("/prompt [TEXT]", "print the encoded prompt (stdout): the conversation, or the next turn's with TEXT"),
     ("/help", "this list"),
 )
@@ -92,8 +97,11 @@ def _note(message: str) -> None:
 
 
 class ChatSession:
-    def __init__(self, system: str | None = None, thinking: bool = False, effort: int | str | None = None):
+    def __init__(self, system: str | None = None, thinking: bool = False, effort: int | str | None = None,
+                 images: list[str] | None = None):
         self.system = system
+        self.images = list(images or [])
+        """Image files attached to the next message."""
         self.thinking = thinking
         self.effort = None if effort is None else resolve_reasoning_effort(effort)
         self.history: list[dict] = []
@@ -117,19 +125,42 @@ class ChatSession:
     def messages(self, user_text: str | None) -> list[dict]:
         """System prompt, history and (unless None) the new user message, as `encode_messages` takes them."""
         system = [{"role": "system", "content": self.system}] if self.system else []
-        user = [] if user_text is None else [{"role": "user", "content": user_text}]
+        user = [] if user_text is None else [self.user_message(user_text)]
         return system + self.history + user
+
+    def user_message(self, text: str) -> dict:
+        if not self.images:
+            return {"role": "user", "content": text}
+        images = [{"type": "image", "url": path} for path in self.images]
+        return {"role": "user", "content": images + [{"type": "text", "text": text}]}
 
     def encoded(self, user_text: str | None) -> str:
         """The rendered text of the conversation followed by `user_text` (None: the conversation alone)."""
         return encode_messages(self.messages(user_text), self.mode, reasoning_effort=self.effort)
+
+    def encoded_with_images(self, user_text: str) -> tuple[str, list[dict]]:
+        """The rendered text and the image records of the conversation followed by `user_text`."""
+        text, media = encode_messages(self.messages(user_text), self.mode, reasoning_effort=self.effort,
+                                      return_multi_modal_data=True)
+        return text, media["images"]
 
 
 # ------------------------------------------------------------------------------------ commands
 def _clear(session: ChatSession, arg: str) -> str:
     session.history.clear()
     session.last = None
+    session.images.clear()
     return "conversation cleared"
+
+
+def _attach_image(session: ChatSession, arg: str) -> str:
+    if not arg:
+        return "usage: /image PATH"
+    path = Path(arg).expanduser()
+    if not path.is_file():
+        return f"no such file: {path}"
+    session.images.append(str(path))
+    return f"image attached to your next message ({len(session.images)} so far)"
 
 
 def _set_system(session: ChatSession, arg: str) -> str:
@@ -156,7 +187,8 @@ def _help(session: ChatSession, arg: str) -> str:
     return "\n".join(f"  {command:<24}{what}" for command, what in COMMANDS)
 
 
-_HANDLERS = {"/clear": _clear, "/system": _set_system, "/think": _set_think, "/effort": _set_effort, "/help": _help}
+_HANDLERS = {"/clear": _clear, "/system": _set_system, "/think": _set_think, "/effort": _set_effort,
+             "/image": _attach_image, "/help": _help}
 
 
 def show_prompt(session: ChatSession, arg: str, out: TextIO, tokenizer: Tokenizer | None = None) -> None:
@@ -288,12 +320,14 @@ def chat_turn(engine: Engine, tokenizer: Tokenizer, session: ChatSession, user_t
     Ctrl-C (a KeyboardInterrupt, whether from SIGINT or from writing to `out`) cancels the request and
     leaves the history as it was. `terminal`: the fd of the terminal stdin is (echo off meanwhile).
     → DONE, FAILED, INTERRUPTED or BROKEN (the engine was cut mid-step: the caller replaces it)."""
-    text = session.encoded(user_text)
-    prompt = session.prompt_ids(tokenizer, text)
     try:
-        check_prompts([prompt], engine.context, tokenizer.vocab_size)
-        rid = engine.submit(config.request(prompt))
-    except ValueError as e:                          # the conversation no longer fits the context
+        text, records = session.encoded_with_images(user_text)
+        prompt = session.prompt_ids(tokenizer, text)
+        expanded, spans = prompt_images(prompt, records, engine.model.cfg, ImageSources(local_files=True),
+                                        tokenizer=tokenizer)
+        check_prompts([expanded], engine.context, tokenizer.vocab_size)
+        rid = engine.submit(config.request(expanded, spans))
+    except ValueError as e:                          # an unreadable image, or no longer fits the context
         _note(f"dsv41: error: {e} (/clear starts over)")
         return FAILED
     show = echo_to(out)
@@ -323,7 +357,8 @@ def chat_turn(engine: Engine, tokenizer: Tokenizer, session: ChatSession, user_t
         session.last = None                          # the slot the turn continued is gone (cancelled)
         _note("interrupted: the reply is not kept, the conversation is as it was before your message")
         return outcome
-    session.history += [{"role": "user", "content": user_text}, assistant_message(completion.text, session.mode)]
+    session.history += [session.user_message(user_text), assistant_message(completion.text, session.mode)]
+    session.images.clear()
     session.remember(tokenizer, text, prompt, completion)
     _note(completion.summary())
     return DONE

@@ -136,3 +136,16 @@ def rotate_reference(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tens
             out[:, t, ..., x.shape[-1] - R + 2 * i] = re * w.real - im * w.imag
             out[:, t, ..., x.shape[-1] - R + 2 * i + 1] = re * w.imag + im * w.real
     return out
+
+
+def picture(width: int = 97, height: int = 61, seed: int = 0) -> bytes:
+    """PNG bytes of a seeded noise picture (the vision tests' images)."""
+    import io
+
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels.numpy(), "RGB").save(buf, "PNG")
+    return buf.getvalue()

@@ -101,7 +101,7 @@ def test_demo_default_length_is_short_and_a_checkpoint_gets_the_reference_defaul
     assert status == 0, err
     assert [g for _, g, _ in stats(err)] == [cli.DEMO_MAX_NEW_TOKENS]
     seen = []
-    monkeypatch.setattr(cli, "generate_all", lambda m, t, p, config, *rest: seen.append(config.max_new_tokens) or [])
+    monkeypatch.setattr(cli, "generate_all", lambda m, t, p, config, *rest, **kw: seen.append(config.max_new_tokens) or [])
     for argv in (["--checkpoint", str(demo_dir)], ["--max-new-tokens", "7"]):
         status, _, err = run_cli(["generate", "hi", "--numerics", "fast", *argv], capsys, monkeypatch)
         assert status == 0, err
@@ -111,7 +111,7 @@ def test_demo_default_length_is_short_and_a_checkpoint_gets_the_reference_defaul
 def test_special_tokens_are_hidden_unless_asked(in_process_env, capsys, monkeypatch):
     seen = []
     real = cli.generate_all
-    monkeypatch.setattr(cli, "generate_all", lambda m, t, p, config, *rest: seen.append(config.skip_special_tokens)
+    monkeypatch.setattr(cli, "generate_all", lambda m, t, p, config, *rest, **kw: seen.append(config.skip_special_tokens)
                         or real(m, t, p, config, *rest))
     for flag in ((), ("--show-special",)):
         status, _, err = run_cli(["generate", "hi", "--max-new-tokens", "1", "--numerics", "fast", *flag], capsys,

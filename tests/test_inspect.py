@@ -373,7 +373,8 @@ def test_where_it_lives(report):
     assert report.modules["layers.1.engram"] == "dsv41.model.engram.module:Engram"
     assert report.modules["layers.0.ffn.experts"] == "dsv41.model.moe:RoutedExperts"
     assert report.modules["mtp.0.attn"] == "dsv41.model.dspark:DSparkAttention"
-    assert not any(p.startswith(("vision", "aligner")) for p in report.modules)  # not built
+    assert report.modules["vision"] == "dsv41.vision.encoder:ViT"
+    assert report.modules["aligner"] == "dsv41.vision.encoder:Aligner"
     package_parent = Path(__file__).resolve().parents[1]
     for locations in report.code.values():
         for loc in locations:

@@ -293,16 +293,36 @@ def test_released_layout_dspark_stages(meta_state, stage):
     assert got == expected_dspark_stage(stage)
 
 
+def expected_vision() -> dict:
+    """docs/CHECKPOINT.md §3.1: the ViT, the aligner and the span delimiters, all bf16."""
+    exp = {f"image_{k}": (BF16, (5120,)) for k in ("start", "end", "newline")}
+    exp.update({"aligner.w1.weight": (BF16, (5120, 9216)), "aligner.w1.bias": (BF16, (5120,)),
+                "aligner.w2.weight": (BF16, (5120, 5120)), "aligner.w2.bias": (BF16, (5120,)),
+                "vision.patch_embed.proj.weight": (BF16, (1024, 588)), "vision.patch_embed.proj.bias": (BF16, (1024,)),
+                "vision.norm.weight": (BF16, (1024,))})
+    for b in range(32):
+        p = f"vision.blocks.{b}"
+        exp.update({f"{p}.attn.wqkv.weight": (BF16, (3072, 1024)), f"{p}.attn.wqkv.bias": (BF16, (3072,)),
+                    f"{p}.attn.wo.weight": (BF16, (1024, 1024)), f"{p}.attn.wo.bias": (BF16, (1024,)),
+                    f"{p}.mlp.w1.weight": (BF16, (5632, 1024)), f"{p}.mlp.w2.weight": (BF16, (1024, 2816)),
+                    f"{p}.norm1.weight": (BF16, (1024,)), f"{p}.norm2.weight": (BF16, (1024,))})
+    return exp
+
+
+def test_released_layout_vision(meta_state):
+    assert {k: v for k, v in meta_state.items() if k.startswith(("vision.", "aligner.", "image_"))} == expected_vision()
+
+
 def test_released_layout_every_name(meta_state):
-    expect = {"embed.weight", "head.weight", "norm.weight"}
+    expect = {"embed.weight", "head.weight", "norm.weight"} | set(expected_vision())
     for L in range(40):
         expect |= set(expected_layer(L))
     for S in range(3):
         expect |= set(expected_dspark_stage(S))
     assert set(meta_state) == expect
     # 3 globals + 40 × (29 + 6 stacked) + 11 compressor + 32 indexer + 12 Engram names
-    # + 3 DSpark stages × 35 + 3 stage-0 extras + 4 stage-2 extras
-    assert len(meta_state) == 1458 + 3 * 35 + 3 + 4
+    # + 3 DSpark stages × 35 + 3 stage-0 extras + 4 stage-2 extras + 259 ViT + 4 aligner + 3 delimiters
+    assert len(meta_state) == 1458 + 3 * 35 + 3 + 4 + 259 + 4 + 3
 
 
 def test_restarting_at_zero_is_exact(small_model):

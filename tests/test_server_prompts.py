@@ -139,7 +139,8 @@ def test_a_forced_tool_in_thinking_mode_goes_beyond_the_reference_with_its_auto_
     (dict(messages=HI, tool_choice="required"), "tool_choice"),
     (dict(messages=HI, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
     (dict(messages=HI, response_format={"type": "json_object"}), "response_format"),
-    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "text": None}]}]), "messages.0.content.0.type"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "text": None}]}]), "messages.0.content.0.image_url"),
+    (dict(messages=[{"role": "user", "content": [{"type": "input_audio", "text": None}]}]), "messages.0.content.0.type"),
 ])
 def test_requests_that_mean_nothing_are_refused_naming_the_field(body, param):
     with pytest.raises(RequestError) as e:

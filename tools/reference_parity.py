@@ -8,8 +8,7 @@ the GPU kernels):
     python tools/reference_parity.py --reference path/to/deepseek_v41
     python tools/reference_parity.py --reference path/to/deepseek_v41 --record tests/golden
 
-For small random-weight configs with DSpark stages (no Engram or vision: those need the tokenizer and
-images), it builds a dsv41 model, copies its weights into the reference model by checkpoint name
+For small random-weight configs with DSpark stages (no Engram: its hash needs the tokenizer), it builds a dsv41 model, copies its weights into the reference model by checkpoint name
 (routed experts unstacked), and compares the last-position logits of a prefill and of every following
 single-token decode step — the only incremental mode the reference has — and the DSpark drafts (ids,
 logits, confidence) of every step.
@@ -20,6 +19,9 @@ What is compared:
   rule (equal scores: lower index first), the reference is run with dsv41's rule and the case reports
   how many choices that changed, apart from any mismatch: torch leaves tie order to the kernel, and the
   reference's own prefill and decode disagree there (docs/ARCHITECTURE.md §17 trap 14).
+- with a vision tower ("vision" cases): a prompt holding one image span, made from a generated PNG by
+  each side's own processor. The reference's patches must equal dsv41's bit for bit, and the prefill
+  merges the span's rows (ViT, aligner, delimiters) and routes its positions with `bias_vl`.
 - both index-key semantics (trap 15): "stale" runs the reference as released against dsv41's
   `stale_index_keys=True`; "own" makes each reference index source read its own keys, dsv41's default.
 - dsv41's default invariant kernels, for information: how far exact-sum matmuls land from the
@@ -68,6 +70,10 @@ BINDING = dict(n_activated_experts=2, window_size=32, index_topk=48, candidate_t
 # and from decode step 16 on (seed 0), with every discrete choice non-binding.
 WIDE = dict(dim=1024, moe_inter_dim=512, q_lora_rank=256, head_dim=128, rope_head_dim=32, n_heads=4,
             o_lora_rank=64, index_head_dim=64, dspark_markov_rank=64)
+# a 2-block ViT of 4 heads × 16; a 97×61 picture plans to 8×5 patches, a 3×2 grid, a 10-position span
+VISION = dict(vision_n_layers=2, vision_dim=64, vision_n_heads=4, vision_inter_dim=48, vision_patch_size=14,
+              vision_downsample_ratio=3, vision_max_n_token=64, vision_min_pixels=84 * 84, vision_rope_theta=10000.0,
+              image_token_id=200)
 CASES = {
     # every discrete choice non-binding: all experts, top-k and candidate blocks wider than the context
     "non-binding": dict(config=dict(TINY, **NON_BINDING), golden=True),
@@ -77,6 +83,9 @@ CASES = {
     "wide fp8 GEMMs": dict(config=dict(TINY, **NON_BINDING, **WIDE), tokens=60, prefill=30),
     # bf16 checkpoint: dense Linears and routed experts in bf16 (expert_dtype null follows dtype)
     "bf16 dense + experts": dict(config=dict(TINY, **NON_BINDING, dtype="bf16", expert_dtype=None), golden=True),
+    # an image span in the prompt: ViT, aligner, delimiter rows, bias_vl routing
+    "vision": dict(config=dict(TINY, **NON_BINDING, **VISION), image=(97, 61), image_at=5, golden=True),
+    "vision, binding": dict(config=dict(TINY, **BINDING, **VISION), image=(97, 61), image_at=20),
 }
 SEMANTICS = ("stale", "own")
 
@@ -192,14 +201,60 @@ def case_ids(cfg: ModelConfig, seed: int, tokens: int) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(seed + 1))
 
 
-def run_reference(module, ours: Transformer, ids, prefill, semantics: str, ties: TieRule):
+def case_picture(width: int, height: int, seed: int) -> bytes:
+    """PNG bytes of a deterministic picture: colour gradients plus seeded noise."""
+    import io
+
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed + 7)
+    y, x = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    rgb = torch.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256])
+    rgb = (rgb + torch.randint(0, 40, rgb.shape, generator=g)).clamp(0, 255).to(torch.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb.permute(1, 2, 0).numpy(), "RGB").save(buf, "PNG")
+    return buf.getvalue()
+
+
+class VisionInputs:
+    """One image span at `at` in the case's tokens, from both processors (the patches must agree)."""
+
+    def __init__(self, module, cfg: ModelConfig, ids: torch.Tensor, picture: bytes, at: int, max_seq_len: int):
+        from dsv41.vision.processor import load_image
+        from dsv41.vision.spans import PromptImage
+
+        self.picture, self.image = picture, load_image(picture, cfg)
+        ip = importlib.import_module(module.__name__.rpartition(".")[0] + ".image_processor")
+        patches, n_vit_h, n_vit_w, _, _ = ip.load_image({"data": picture}, reference_args(module, cfg, max_seq_len))
+        self.same_patches = torch.equal(patches.flatten(1), self.image.patches)
+        span = self.image.plan.span_length
+        text = ids[0].masked_fill(ids[0] == cfg.image_token_id, 0)                 # no stray image ids
+        self.ids = torch.cat([text[:at], torch.full((span,), cfg.image_token_id), text[at:len(text) - span]])[None]
+        self.span = PromptImage(at, self.image)
+        types = torch.full((self.ids.shape[1],), -1)
+        types[at:at + span] = torch.tensor(self.image.plan.token_types())
+        self.types = types[None]
+        self.reference_image = ip.ImageInput(at, patches, n_vit_h, n_vit_w, self.types[0, at:at + span])
+
+    def ours(self, model: Transformer, prefill: int):
+        """The prefill's SpanRows for dsv41 (the span must lie inside the prefill, as in the reference)."""
+        from dsv41.vision.spans import call_rows
+
+        return call_rows([(0, 0, prefill, [(self.span, model.encode_image(self.image))])], prefill, model.device)
+
+    def reference(self, prefill: int) -> dict:
+        """The reference's VL keyword arguments of the prefill call."""
+        return dict(images=[[self.reference_image]], token_types=self.types[:, :prefill])
+
+
+def run_reference(module, ours: Transformer, ids, prefill, semantics: str, ties: TieRule, vision=None):
     with default_dtype(torch.bfloat16):
         ref = module.Transformer(reference_args(module, ours.cfg, ours.runtime.max_seq_len))
     copy_weights(ours, ref)
     seen = {"logits": [], "draft_ids": [], "draft_logits": [], "confidence": []}
     keys = own_index_keys(module) if semantics == "own" else _nothing()
     with default_dtype(torch.bfloat16), ties.installed(), keys:
-        next_ids, logits, hidden = ref(ids[:, :prefill], 0)
+        next_ids, logits, hidden = ref(ids[:, :prefill], 0, **({} if vision is None else vision.reference(prefill)))
         seen["logits"].append(logits)
         if len(ref.mtp):
             ref.forward_spec(next_ids, hidden, 0)
@@ -227,11 +282,18 @@ def compare(mine: dict, theirs: dict) -> dict[str, float | bool | None]:
             "exact": torch.equal(a, b), "drafts_exact": all(drafts) if drafts else None}
 
 
-def record(directory: Path, label: str, cfg: ModelConfig, seed: int, ids, prefill, theirs: dict) -> Path:
-    """One golden file: the config, the tokens and the reference's outputs (own index keys)."""
+def record(directory: Path, label: str, cfg: ModelConfig, seed: int, ids, prefill, theirs: dict,
+           vision: "VisionInputs | None" = None) -> Path:
+    """One golden file: the config, the tokens and the reference's outputs (own index keys); a vision
+    case adds the picture's PNG bytes, the reference's patches and the token types."""
     from safetensors.torch import save_file
 
     tensors = {"ids": ids.contiguous(), "logits": torch.cat(theirs["logits"]).contiguous()}
+    if vision is not None:
+        tensors["picture"] = torch.frombuffer(bytearray(vision.picture), dtype=torch.uint8)
+        tensors["patches"] = vision.reference_image.patches.flatten(1).contiguous()
+        tensors["token_types"] = vision.types.contiguous()
+        directory = directory / "vision"
     if theirs["draft_ids"]:
         tensors["draft_ids"] = torch.cat(theirs["draft_ids"]).contiguous()
         tensors["draft_logits"] = torch.cat(theirs["draft_logits"]).contiguous()
@@ -327,20 +389,27 @@ def main(argv=None) -> int:
     print(header)
     failures = 0
     for label, case, cfg, tokens, prefill, semantics, seed in _runs(args):
-        ids = case_ids(cfg, seed, tokens)
+        ids, vision = case_ids(cfg, seed, tokens), None
+        if "image" in case:
+            vision = VisionInputs(module, cfg, ids, case_picture(*case["image"], seed), case["image_at"], 2 * tokens)
+            ids = vision.ids
         blas = build_ours(cfg, seed, 2 * tokens, "blas", semantics)
         ties = TieRule()
-        theirs = run_reference(module, blas, ids, prefill, semantics, ties)
-        exact = compare(decode_trace(blas, ids, prefill), theirs)
-        invariant = compare(decode_trace(build_ours(cfg, seed, 2 * tokens, "invariant", semantics), ids, prefill),
-                            theirs)
+        theirs = run_reference(module, blas, ids, prefill, semantics, ties, vision)
+        span = lambda model: None if vision is None else vision.ours(model, prefill)
+        exact = compare(decode_trace(blas, ids, prefill, span(blas)), theirs)
+        fixed = build_ours(cfg, seed, 2 * tokens, "invariant", semantics)
+        invariant = compare(decode_trace(fixed, ids, prefill, span(fixed)), theirs)
         ok = exact["exact"] and exact["drafts_exact"] is not False and ties.mismatched == 0
+        if vision is not None and not vision.same_patches:
+            ok = False
+            print(f"{label}: the processors' patches differ")
         failures += not ok
         print(f"{label:<22} {semantics:<5} {seed:>4} {str(exact['exact']):>13} "
               f"{str(exact['drafts_exact']):>6} {ties.changed:>5} {invariant['max_diff']:>16.3g} "
               f"{invariant['argmax']:>7.3f}" + ("" if ties.mismatched == 0 else f"  NOT A TIE: {ties.mismatched}"))
         if args.record and case.get("golden") and semantics == "own":
-            print(f"  recorded {record(args.record, label, cfg, seed, ids, prefill, theirs)}")
+            print(f"  recorded {record(args.record, label, cfg, seed, ids, prefill, theirs, vision)}")
     print("every case bit-identical" if not failures else f"{failures} case(s) differ")
     return 1 if failures else 0
 

@@ -7,6 +7,9 @@ rendered as chats in the release's prompt format — each speech a user turn, th
 assistant's reply — so that the default chat-encoded prompt of `dsv41 generate` is in distribution.
 The chats come from the first 85% of the text only: the held-out split (the last 5% of the token
 stream) is the end of the plain text, which no chat contains.
+
+The text model is trained; `--ship` then gives it the demo's vision tower with random weights
+(`dsv41.demo.attach_vision_tower`, seed 0): the image path runs end to end, but vision is untrained.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from dsv41.chat import encode_messages  # noqa: E402
 from dsv41.cli import main  # noqa: E402
+from dsv41.demo import attach_vision_tower  # noqa: E402
 
 TEXT = ROOT / "data" / "tinyshakespeare.txt"
 CONFIG = ROOT / "dsv41" / "configs" / "demo-trained.json"
@@ -77,6 +81,7 @@ def run(argv=None) -> int:
     if SHIPPED.exists():
         shutil.rmtree(SHIPPED)
     shutil.copytree(out, SHIPPED, ignore=shutil.ignore_patterns("state.pt", "shakespeare-chats.txt", "*.partial"))
+    attach_vision_tower(SHIPPED, seed=0)
     return 0
 
 

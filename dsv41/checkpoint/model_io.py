@@ -88,7 +88,7 @@ def _module_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def skipped_family(name: str, model: nn.Module) -> bool:
     """Stored tensors a text model legitimately leaves on disk: vision, and DSpark when not built."""
     if name.startswith(VISION_PREFIXES):
-        return True
+        return not hasattr(model, "vision")
     return name.startswith(DSPARK_PREFIX) and not hasattr(model, "mtp")
 
 

@@ -27,6 +27,7 @@ from .scheduler import Work, plan
 from .sequence import Sequence
 from .speculative import accept_drafts
 from ..errors import InputError
+from ..vision.spans import SpanRows, call_rows, check_spans
 
 DEFAULT_TOKEN_BUDGET = 512
 DEFAULT_PREFILL_CHUNK = 512
@@ -87,6 +88,9 @@ class Engine:
     def submit(self, request: Request) -> int:
         """Queue a request; → its id (events and the completion carry it)."""
         check_prompts([list(request.prompt)], self.context, self.model.cfg.vocab_size)
+        if request.images:
+            cfg = self.model.cfg
+            check_spans(request.prompt, request.images, cfg.image_token_id if cfg.vision_enabled else None)
         speculative = self.config.speculative if request.speculative is None else request.speculative
         if speculative and not self.observes:
             raise InputError("speculative decoding needs DSpark stages and an engine built with speculative=True")
@@ -140,7 +144,8 @@ class Engine:
                                [len(w.tokens) for w in works])
         ids = torch.tensor([t for w in works for t in w.tokens], device=self.model.device)
         snap = self.cache.snapshot(step) if any(w.drafts for w in works) else None
-        out = self.model(ids, step, self.cache)
+        images = self._span_rows(works, step)
+        out = self.model(ids, step, self.cache) if images is None else self.model(ids, step, self.cache, images=images)
         logits = self._logits(out.hidden, works, step)
         keep = []
         for work, rows in zip(works, logits):
@@ -151,6 +156,8 @@ class Engine:
             self.cache.rollback(snap, keep)
         for work, kept in zip(works, keep):
             work.seq.fed += kept
+            for start in [a for a, rows in work.seq.encoded.items() if a + rows.shape[0] <= work.seq.fed]:
+                del work.seq.encoded[start]                      # the span is in the cache now
         if self.observes:
             self._observe(out.dspark_hidden, step, keep)
         for seq in running:
@@ -176,7 +183,7 @@ class Engine:
                 events += seq.finish("context")                  # no position left to generate into
                 continue
             # prompt logits are wanted for every position, so a request for them computes them all
-            hit = None if seq.request.prompt_logits else self.prefix.match(seq.request.prompt)
+            hit = None if seq.request.prompt_logits else self.prefix.match(seq.key())
             if hit is not None:
                 seq.slot, seq.fed = hit
                 seq.cached = seq.fed
@@ -203,11 +210,27 @@ class Engine:
         if seq.slot is None or self.running.get(seq.slot) is not seq:
             return
         del self.running[seq.slot]
-        freed = self.prefix.keep(seq.slot, tuple(seq.tokens[:seq.fed])) if keep else [seq.slot]
+        freed = self.prefix.keep(seq.slot, seq.key(seq.fed)) if keep else [seq.slot]
         for slot in freed:
             self.cache.reset(slot)
             self.free.append(slot)
         self.stats.generated += seq.produced
+
+    # ---------------------------------------------------------------------------------- images
+    def _span_rows(self, works: list[Work], step) -> SpanRows | None:
+        """The image-span rows of the step's prompt chunks; each image is encoded once, when its span is
+        first fed (a span already in the cache — a reused prefix — is never encoded)."""
+        pieces = []
+        for r, work in enumerate(works):
+            seq = work.seq
+            if not work.prefill or not seq.request.images:
+                continue
+            spans = seq.spans_in(seq.fed, len(work.tokens))
+            for span in spans:
+                if span.start not in seq.encoded:
+                    seq.encoded[span.start] = self.model.encode_image(span.image)
+            pieces.append((step.offsets[r], seq.fed, len(work.tokens), [(s, seq.encoded[s.start]) for s in spans]))
+        return call_rows(pieces, step.n_tokens, self.model.device) if pieces else None
 
     # ---------------------------------------------------------------------------------- sampling
     def _logits(self, hidden: torch.Tensor, works: list[Work], step) -> list[torch.Tensor | None]:
@@ -374,10 +397,10 @@ class GenerationConfig:
         if any(not s for s in self.stop_strings):
             raise InputError("stop strings must not be empty")
 
-    def request(self, prompt: list[int]) -> Request:
+    def request(self, prompt: list[int], images=()) -> Request:
         return Request(prompt=tuple(prompt), max_new_tokens=self.max_new_tokens, sampling=self.sampling,
                        stop_token_ids=self.stop_token_ids, stop_strings=self.stop_strings, seed=self.seed,
-                       ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
+                       ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens, images=images)
 
     def engine(self, n_slots: int) -> EngineConfig:
         return EngineConfig(n_slots=n_slots, max_context=self.max_context, token_budget=self.token_budget,
@@ -385,23 +408,28 @@ class GenerationConfig:
 
 
 def generate(model: ModelInterface, tokenizer: Tokenizer, prompts: list[list[int]],
-             config: GenerationConfig | None = None, *, engine: Engine | None = None) -> Iterator[StreamEvent]:
+             config: GenerationConfig | None = None, *, engine: Engine | None = None,
+             images=None) -> Iterator[StreamEvent]:
     """Stream tokens for prompts (token ids), all in one batch; a new engine numbers them 0, 1, … in
-    prompt order. With `engine`, run on it (its kept sequences can be continued; ids continue)."""
+    prompt order. With `engine`, run on it (its kept sequences can be continued; ids continue).
+    `images`: per prompt, its image spans (vision/sources.py `prompt_images`)."""
     config = config or GenerationConfig()
     engine = engine or Engine(model, tokenizer, config.engine(len(prompts)))
     check_prompts(prompts, engine.context, tokenizer.vocab_size)            # before any work is done
-    for p in prompts:
-        engine.submit(config.request(p))
+    images = images or [()] * len(prompts)
+    if len(images) != len(prompts):
+        raise InputError(f"{len(images)} image lists for {len(prompts)} prompts")
+    for p, spans in zip(prompts, images):
+        engine.submit(config.request(p, spans))
     return engine.run()
 
 
 def generate_all(model: ModelInterface, tokenizer: Tokenizer, prompts: list[list[int]],
                  config: GenerationConfig | None = None, on_event: Callable[[StreamEvent], None] | None = None,
-                 *, engine: Engine | None = None) -> list[Completion]:
+                 *, engine: Engine | None = None, images=None) -> list[Completion]:
     """Run `generate` to the end, handing every event to `on_event`; completions in prompt order."""
     done = []
-    for event in generate(model, tokenizer, prompts, config, engine=engine):
+    for event in generate(model, tokenizer, prompts, config, engine=engine, images=images):
         if on_event is not None:
             on_event(event)
         if event.completion is not None:

@@ -5,6 +5,10 @@ and a ratio-2 source's pooling tail the open group, so a sequence cannot be cut 
 length (docs/ARCHITECTURE.md §11.2–§11.3). A new prompt reuses a kept sequence when it starts with all of
 its tokens and is longer (the multi-turn chat case: previous prompt + completion + the new turn);
 any other prompt — one that shares only part of a kept sequence, or equals it — gets a cold prefill.
+
+Sequences are compared by position keys (`Sequence.key`): the token id, or inside an image span, whose
+positions all carry the image token, the image's digest and the offset — so a prompt continues a kept
+sequence only if it holds the same images at the same places.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def keep(self, slot: int, tokens: tuple[int, ...]) -> list[int]:
-        """Keep the sequence in `slot` (positions 0 … len(tokens) − 1); → slots evicted to make room."""
+    def keep(self, slot: int, tokens: tuple) -> list[int]:
+        """Keep the sequence in `slot` (positions 0 … len(tokens) − 1, by key); → slots evicted to make room."""
         if self.capacity <= 0 or not tokens:
             return [slot]
         self.entries[slot] = tuple(tokens)
@@ -32,7 +36,7 @@ class PrefixCache:
             evicted.append(self.entries.popitem(last=False)[0])
         return evicted
 
-    def match(self, prompt: tuple[int, ...]) -> tuple[int, int] | None:
+    def match(self, prompt: tuple) -> tuple[int, int] | None:
         """(slot, kept length) of the longest kept sequence the prompt extends, taken out of the cache."""
         best = None
         for slot, tokens in self.entries.items():

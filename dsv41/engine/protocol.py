@@ -26,8 +26,12 @@ class ModelInterface(Protocol):
         """Metadata of a call: row b feeds counts[b] tokens of slot slots[b] from position starts[b]
         (`n_tokens`, `n_rows`, `offsets`)."""
 
-    def __call__(self, ids: torch.Tensor, step: Any, cache: Any) -> Any:
-        """ids [N] → an output with `hidden` [N, D] and `dspark_hidden` [N, Dt] or None."""
+    def __call__(self, ids: torch.Tensor, step: Any, cache: Any, *, images: Any = None) -> Any:
+        """ids [N] → an output with `hidden` [N, D] and `dspark_hidden` [N, Dt] or None; `images`: the
+        call's image-span rows (vision/spans.py `SpanRows`) or None."""
+
+    def encode_image(self, image: Any) -> torch.Tensor:
+        """One image (vision/processor.py `ImageInput`) → its span rows [L, D]."""
 
     def logits(self, hidden: torch.Tensor, rows=None) -> torch.Tensor:
         """[M, D] → fp32 [M, V]; with `rows` (indices into a forward's `hidden` [N, D]), only those rows.

@@ -16,6 +16,7 @@ import torch
 
 from .sampling import SamplingParams
 from ..errors import InputError
+from ..vision.spans import PromptImage
 
 FINISH_REASONS = ("eos", "stop", "length", "context", "cancelled")
 
@@ -58,9 +59,12 @@ class Request:
     """Report each sampled token's log-probability and this many alternatives (None: off)."""
     skip_special_tokens: bool = False
     """Leave special tokens out of the text (the ids keep them); stop strings then see the shown text."""
+    images: tuple[PromptImage, ...] = field(default=(), compare=False)
+    """The prompt's image spans (vision/spans.py `expand_images`), in order."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+        object.__setattr__(self, "images", tuple(self.images))
         if not self.prompt:
             raise InputError("the prompt is empty (it needs at least one token, e.g. BOS)")
         if self.max_new_tokens < 0 or (self.max_new_tokens == 0 and not self.prompt_logits):

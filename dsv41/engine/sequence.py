@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..tokenizer import StreamDecoder
+from ..vision.spans import PromptImage, position_keys
 from .request import Completion, Request, StopStringFilter, StreamEvent
 
 
@@ -39,6 +40,8 @@ class Sequence:
     drafted: int = 0
     accepted: int = 0
     completion: Completion | None = None
+    encoded: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Span rows [L, D] of the prompt's images being prefilled, by span start (dropped once fed)."""
 
     def __post_init__(self) -> None:
         self.tokens = list(self.request.prompt)
@@ -61,6 +64,16 @@ class Sequence:
         """How many prompt tokens this request may feed in the next step."""
         first = self.request.first_chunk if self.fed == self.cached else None
         return min(self.prompt_len - self.fed, first or self.request.prefill_chunk or default)
+
+    def key(self, n: int | None = None) -> tuple:
+        """The prefix key of positions 0 … n − 1 (all tokens by default): token ids, and the image's
+        digest inside image spans, whose ids are all the same."""
+        tokens = self.tokens if n is None else self.tokens[:n]
+        return position_keys(tokens, self.request.images) if self.request.images else tuple(tokens)
+
+    def spans_in(self, first: int, count: int) -> list[PromptImage]:
+        """The prompt's image spans that positions first … first + count − 1 reach into."""
+        return [s for s in self.request.images if s.start < first + count and first < s.end]
 
     def room(self) -> int:
         """Positions the slot can still take."""

@@ -88,6 +88,10 @@ def _init_module(module: nn.Module, gen: torch.Generator) -> None:
             module.bias_vl.data.copy_(0.1 * _normal(module.bias_vl.shape, 1.0, gen))
     elif isinstance(module, EngramTable):
         init_engram_table(module, gen)
+    elif isinstance(module, nn.Linear):                          # the vision encoder's bf16 Linears
+        module.weight.data.copy_(_normal(module.weight.shape, module.in_features ** -0.5, gen).to(module.weight.dtype))
+        if module.bias is not None:
+            module.bias.data.copy_((0.02 * _normal(module.bias.shape, 1.0, gen)).to(module.bias.dtype))
 
 
 def _init_bare_parameter(leaf: str, p: nn.Parameter, gen: torch.Generator) -> None:
@@ -99,6 +103,8 @@ def _init_bare_parameter(leaf: str, p: nn.Parameter, gen: torch.Generator) -> No
         p.data.copy_(1.0 + 0.1 * _normal(p.shape, 1.0, gen))
     elif leaf == "attn_sink":
         p.data.copy_(_normal(p.shape, 1.0, gen))
+    elif leaf in ("image_start", "image_end", "image_newline"):
+        p.data.copy_(_normal(p.shape, 1.0, gen).to(p.dtype))
     elif leaf in ("q_weight", "k_weight"):
         p.data.copy_((1 + 0.1 * _normal(p.shape, 1.0, gen)).to(p.dtype))
 

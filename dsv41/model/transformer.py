@@ -27,8 +27,11 @@ from ..config import ModelConfig, RuntimeConfig
 from .layers import Embedding, Head, RMSNorm
 from .roles import derive_roles
 from .step import Handoff, Step
-from ..errors import CheckpointError, InputError
+from ..errors import CheckpointError, ImageError, InputError
 from ..parallel.context import ParallelContext
+from ..vision.encoder import Aligner, ViT
+from ..vision.processor import ImageInput
+from ..vision.spans import SpanRows, span_rows
 
 
 @dataclass
@@ -60,6 +63,13 @@ class Transformer(nn.Module):
         if cfg.dspark_enabled:
             # DSpark stages, stored under mtp.* (docs/ARCHITECTURE.md §15); embedding and head are tied
             self.mtp = nn.ModuleList(DSparkStage(cfg, r, **blocks) for r in self.roles[cfg.n_layers:])
+        if cfg.vision_enabled:
+            # the vision encoder (§16), under its checkpoint names; it runs in bf16 whatever the numerics
+            self.vision = ViT(cfg, device)
+            self.aligner = Aligner(cfg, device)
+            for marker in ("image_start", "image_end", "image_newline"):
+                self.register_parameter(marker, nn.Parameter(torch.empty(cfg.dim, device=device, dtype=torch.bfloat16),
+                                                             requires_grad=False))
         self.hasher = None
         self._engram_pool: ThreadPoolExecutor | None = None             # this model's own, made on first use
         if cfg.engram_layer_ids:
@@ -102,8 +112,21 @@ class Transformer(nn.Module):
         return Step(tuple(slots), tuple(starts), tuple(counts), device=self.device,
                     reference_layout=not self.numerics.invariant, stale_index_keys=self.runtime.stale_index_keys)
 
+    def encode_image(self, image: ImageInput) -> torch.Tensor:
+        """The span rows of one image [L, D] (bf16): its delimiters and the aligner's rows in reading order."""
+        if not self.cfg.vision_enabled:
+            raise ImageError("this model has no vision encoder (vision_n_layers is 0); it cannot take images")
+        plan = image.plan
+        want = (plan.n_patches, 3 * self.cfg.vision_patch_size ** 2)
+        if tuple(image.patches.shape) != want:
+            raise ImageError(f"image patches are {tuple(image.patches.shape)}; its plan needs {want}")
+        with torch.no_grad():
+            features = self.vision(image.patches.to(self.device, torch.bfloat16), plan.n_vit_h, plan.n_vit_w)
+            cells = self.aligner(features, plan.n_vit_h, plan.n_vit_w)
+        return span_rows(image, cells, self.image_start, self.image_end, self.image_newline)
+
     def forward(self, ids: torch.Tensor, step: Step | int, cache: ModelCache, *,
-                token_types: torch.Tensor | None = None) -> ModelOutput:
+                token_types: torch.Tensor | None = None, images: SpanRows | None = None) -> ModelOutput:
         """Run the tokens of a step and update the cache.
 
         - `ids` [N] packed with a `Step` (from `Transformer.step`): the engine's call; outputs are [N, …].
@@ -111,13 +134,15 @@ class Transformer(nn.Module):
           positions start_pos … start_pos + T − 1; outputs are [B, T, …].
 
         token_types (shaped like ids): −1 text, ≥ 0 image-span positions (bias_vl routing, no Engram).
+        images: the image-span positions of the call (vision/spans.py), indexing its tokens in packed
+        (row-major) order; their embeddings are replaced by the span rows and their types set.
         """
         if not isinstance(cache, ModelCache):
             raise InputError(f"forward needs the cache from model.new_cache(...), got {type(cache).__name__}")
         if not isinstance(ids, torch.Tensor):
             raise InputError(f"token ids must be a tensor, got {type(ids).__name__}")
         if isinstance(step, Step):
-            return self._forward(ids, step, cache, token_types)
+            return self._forward(ids, step, cache, token_types, images)
         if not isinstance(step, int) or isinstance(step, bool):
             raise InputError(f"forward's step is a Step (model.step(...)) or an int start position, got {step!r}")
         if ids.dim() != 2:
@@ -128,13 +153,17 @@ class Transformer(nn.Module):
             raise CacheError(f"batch of {B} rows given to a cache of {cache.n_slots} slots (a [B, T] call feeds "
                              f"every slot; pass a Step to feed some)")
         out = self._forward(ids.flatten(), self.step(range(B), (step,) * B, (T,) * B), cache,
-                            None if token_types is None else token_types.flatten())
+                            None if token_types is None else token_types.flatten(), images)
         unpack = lambda t: None if t is None else t.unflatten(0, (B, T))
         return ModelOutput(hidden=unpack(out.hidden), dspark_hidden=unpack(out.dspark_hidden))
 
-    def _forward(self, ids: torch.Tensor, step: Step, cache: ModelCache, token_types) -> ModelOutput:
+    def _forward(self, ids: torch.Tensor, step: Step, cache: ModelCache, token_types,
+                 images: SpanRows | None = None) -> ModelOutput:
         if ids.shape != (step.n_tokens,):
             raise InputError(f"the step covers {step.n_tokens} tokens; ids has shape {tuple(ids.shape)}")
+        if images is not None:
+            self._check_images(images, step.n_tokens)
+            token_types = images.types if token_types is None else token_types
         cache.begin(step)
         self._check_ids(ids)
         image_mask = None if token_types is None else (token_types >= 0)[None]
@@ -142,7 +171,10 @@ class Transformer(nn.Module):
         engram_rows = self._gather_engram_rows(ids, step, cache, text_mask)
         # the stream in the compute dtype from the start (bf16 table values are exact in fp32), so that
         # fast float32 does not round layer 0's attention input to bf16
-        x = self.embed(ids[None]).to(self.dtype).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)   # [1, N, S, D]
+        x = self.embed(ids[None])
+        if images is not None:
+            x[0, images.index] = images.rows.to(x.dtype)
+        x = x.to(self.dtype).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)                      # [1, N, S, D]
         pre = hyper.identity_pre(1, step.n_tokens, self.cfg.hc_mult, device=ids.device)
         handoff, targets = Handoff(), []
         for block in self.layers:
@@ -192,6 +224,16 @@ class Transformer(nn.Module):
         if rows is not None:
             hidden = hidden[torch.as_tensor(rows, dtype=torch.long, device=hidden.device)]
         return self.head(self.norm(hidden))
+
+    def _check_images(self, images: SpanRows, n_tokens: int) -> None:
+        if not self.cfg.vision_enabled:
+            raise ImageError("this model has no vision encoder (vision_n_layers is 0); it cannot take images")
+        n = images.index.numel()
+        if images.rows.shape != (n, self.cfg.dim) or images.types.shape != (n_tokens,):
+            raise ImageError(f"image rows {tuple(images.rows.shape)} and types {tuple(images.types.shape)} do not fit "
+                             f"{n} span positions of dim {self.cfg.dim} in a call of {n_tokens} tokens")
+        if n and (int(images.index.min()) < 0 or int(images.index.max()) >= n_tokens):
+            raise ImageError(f"image span positions must index the call's {n_tokens} tokens")
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         if ids.dtype not in (torch.int32, torch.int64):

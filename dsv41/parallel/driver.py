@@ -232,6 +232,16 @@ def _where(step) -> Any:
     return tuple(step.slots), tuple(step.starts), tuple(step.counts)
 
 
+def _on_cpu(images):
+    return tuple(t.detach().cpu() for t in (images.index, images.rows, images.types))
+
+
+def _on_device(spans: tuple, device):
+    from ..vision.spans import SpanRows
+
+    return SpanRows(*(t.to(device) for t in spans))
+
+
 def _argmax(row_logits: torch.Tensor) -> torch.Tensor:
     return row_logits.argmax(-1)
 
@@ -277,12 +287,18 @@ class DriverModel:
         weakref.finalize(cache, self._released.append, cid)
         return cache
 
-    def __call__(self, ids: torch.Tensor, step, cache: "DriverCache"):
+    def __call__(self, ids: torch.Tensor, step, cache: "DriverCache", *, images=None):
         local = self._local(cache)
         self._last = None                                # the last output's memory, before the next one
-        with self._command((FORWARD, cache.id, ids.detach().cpu(), _where(step)), "forward"):
-            self._last = self.model(ids, step, local)
+        spans = None if images is None else _on_cpu(images)
+        with self._command((FORWARD, cache.id, ids.detach().cpu(), _where(step), spans), "forward"):
+            self._last = self.model(ids, step, local, images=images)
         return self._last
+
+    def encode_image(self, image):
+        """Rank 0 alone: the vision encoder is whole on every rank, and the span rows travel with the
+        forward that feeds them."""
+        return self.model.encode_image(image)
 
     def logits(self, hidden: torch.Tensor, rows=None) -> torch.Tensor:
         argument = _argument(hidden, None if self._last is None else self._last.hidden, rows)
@@ -434,9 +450,10 @@ class _Follower:
         for cid in cids:
             self.caches.pop(cid, None)
 
-    def _forward(self, cid: int, ids: torch.Tensor, where) -> None:
+    def _forward(self, cid: int, ids: torch.Tensor, where, spans=None) -> None:
         self.output = None                               # the last output's memory, before the next one
-        self.output = self.model(ids.to(self.model.device), self._step(where), self.caches[cid].cache)
+        images = None if spans is None else _on_device(spans, self.model.device)
+        self.output = self.model(ids.to(self.model.device), self._step(where), self.caches[cid].cache, images=images)
 
     def _tensor(self, argument: tuple, field: str) -> tuple[torch.Tensor, list[int] | None]:
         """(tensor, rows) an argument stands for on this rank: its own copy of the last output, or data."""

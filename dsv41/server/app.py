@@ -12,6 +12,7 @@ import secrets
 import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -26,8 +27,9 @@ from .metrics import Metrics
 from .prompts import RequestError
 from .service import EngineService, QueueFull, ShuttingDown
 from .turns import TurnMemory
+from ..vision.sources import MAX_IMAGE_BYTES, ImageSources
 
-DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_MAX_BODY_BYTES = 32 << 20                  # room for base64 images (MAX_IMAGE_BYTES each)
 log = logging.getLogger("dsv41.server")
 
 
@@ -43,6 +45,9 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     seed: int | None = None
     """The engine's seed for requests without one (None: random per server start)."""
+    image_dir: Path | None = None
+    """Local image files under this directory may be named in requests (None: data URLs and base64 only)."""
+    max_image_bytes: int = MAX_IMAGE_BYTES
 
 
 @dataclass
@@ -57,6 +62,10 @@ class ServerState:
     grammars: GrammarFactory | None = None
     turns: TurnMemory | None = None
     load_error: str | None = None
+
+    @property
+    def image_sources(self) -> ImageSources:
+        return ImageSources(self.config.image_dir, self.config.max_image_bytes)
 
     @property
     def ready(self) -> bool:

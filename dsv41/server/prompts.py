@@ -52,6 +52,8 @@ class PromptPlan:
     json_schema: dict | None = None
     """The schema a json_object / json_schema response is constrained to."""
     tools: list[dict] = field(default_factory=list)
+    images: list[dict] = field(default_factory=list)
+    """The prompt's image records in prompt order, one per image placeholder (vision/sources.py reads them)."""
 
 
 # ------------------------------------------------------------------------------------ OpenAI chat
@@ -79,7 +81,7 @@ def openai_chat_plan(req: ChatCompletionRequest) -> PromptPlan:
 
 
 def _openai_message(m: ChatMessage, where: str) -> dict:
-    out: dict[str, Any] = {"role": m.role, "content": _text(m.content, f"{where}.content")}
+    out: dict[str, Any] = {"role": m.role, "content": _content(m.role, m.content, f"{where}.content")}
     if m.role == "assistant":
         if m.reasoning_content is not None:
             out["reasoning_content"] = m.reasoning_content
@@ -94,16 +96,37 @@ def _openai_message(m: ChatMessage, where: str) -> dict:
     return out
 
 
-def _text(content, where: str) -> str:
+IMAGE_ROLES = ("user", "tool")
+
+
+def _content(role: str, content, where: str) -> str | list[dict]:
+    """A message's content: its text, or (with images) text and image blocks for the encoder."""
     if content is None or isinstance(content, str):
         return content or ""
-    texts = []
+    blocks = []
     for i, part in enumerate(content):
-        if part.type != "text":
-            raise RequestError(f"content parts of type {part.type!r} are not supported (images need the vision "
-                               f"encoder, which dsv41 does not run yet)", f"{where}.{i}.type")
-        texts.append(part.text or "")
-    return "\n\n".join(texts)
+        if part.type == "text":
+            blocks.append({"type": "text", "text": part.text or ""})
+        elif part.type == "image_url" and role in IMAGE_ROLES:
+            url = part.image_url if isinstance(part.image_url, str) else getattr(part.image_url, "url", None)
+            if not url:
+                raise RequestError("an image_url part needs image_url.url", f"{where}.{i}.image_url")
+            blocks.append({"type": "image_url", "image_url": {"url": url}})
+        elif part.type == "image_url":
+            raise RequestError(f"{role} messages cannot carry images (user and tool messages can)", f"{where}.{i}.type")
+        else:
+            raise RequestError(f"content parts of type {part.type!r} are not supported (text and image_url are)",
+                               f"{where}.{i}.type")
+    if all(b["type"] == "text" for b in blocks):
+        return "\n\n".join(b["text"] for b in blocks)
+    return blocks
+
+
+def _message_text(m: dict) -> str:
+    content = m.get("content")
+    if isinstance(content, list):
+        return "\n\n".join(b.get("text") or "" for b in content if b.get("type") == "text")
+    return content or ""
 
 
 def _response_schema(req: ChatCompletionRequest, messages: list[dict]) -> tuple[dict, dict] | None:
@@ -112,7 +135,7 @@ def _response_schema(req: ChatCompletionRequest, messages: list[dict]) -> tuple[
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        if not any("json" in (m.get("content") or "").lower() for m in messages):
+        if not any("json" in _message_text(m).lower() for m in messages):
             raise RequestError("Prompt must contain the word 'json' in some form to use 'response_format' of type "
                                "'json_object'.", "response_format")
         return {"type": "json_object"}, {"type": "object"}
@@ -174,20 +197,44 @@ def _anthropic_messages(m, where: str) -> list[dict]:
         if calls:
             out["tool_calls"] = calls
         return [out]
-    out, texts = [], []
+    out, blocks = [], []
     for i, b in enumerate(m.content):
         if b.type == "text":
-            texts.append(b.text or "")
+            blocks.append({"type": "text", "text": b.text or ""})
+        elif b.type == "image":
+            blocks.append(_anthropic_image(b, f"{where}.content.{i}"))
         elif b.type == "tool_result":
-            content = b.content if isinstance(b.content, str) or b.content is None else \
-                "\n\n".join(x.text or "" for x in b.content if x.type == "text")
-            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content or ""})
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                        "content": _tool_result_content(b.content, f"{where}.content.{i}.content")})
         else:
-            raise RequestError(f"user content blocks of type {b.type!r} are not supported (images need the "
-                               f"vision encoder, which dsv41 does not run yet)", f"{where}.content.{i}.type")
-    if texts:
-        out.append({"role": "user", "content": "\n\n".join(texts)})
+            raise RequestError(f"user content blocks of type {b.type!r} are not supported (text, image and "
+                               f"tool_result are)", f"{where}.content.{i}.type")
+    if blocks:
+        texts_only = all(b["type"] == "text" for b in blocks)
+        out.append({"role": "user", "content": "\n\n".join(b["text"] for b in blocks) if texts_only else blocks})
     return out
+
+
+def _anthropic_image(b, where: str) -> dict:
+    source = b.source
+    if not isinstance(source, dict) or not (source.get("data") or source.get("url")):
+        raise RequestError("an image block needs a source with base64 data or a url", f"{where}.source")
+    return {"type": "image", "source": source}
+
+
+def _tool_result_content(content, where: str) -> str | list[dict]:
+    """A tool result's text, or its text and image blocks (images in tool results reach the prompt too)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    blocks = []
+    for i, x in enumerate(content):
+        if x.type == "image":
+            blocks.append(_anthropic_image(x, f"{where}.{i}"))
+        elif x.type == "text":
+            blocks.append({"type": "text", "text": x.text or ""})
+    if all(b["type"] == "text" for b in blocks):
+        return "\n\n".join(b["text"] for b in blocks)
+    return blocks
 
 
 # ------------------------------------------------------------------------------------ shared
@@ -205,12 +252,13 @@ def _plan(messages: list[dict], thinking: bool, effort: int, tools: list[dict], 
         if shown_schema is not None:
             messages[0]["response_format"] = shown_schema
     try:
-        text = encode_messages(messages, "thinking" if thinking else "chat",
-                               reasoning_effort=effort if thinking else None)
+        text, media = encode_messages(messages, "thinking" if thinking else "chat",
+                                      reasoning_effort=effort if thinking else None, return_multi_modal_data=True)
     except ValueError as e:
         raise RequestError(str(e), "messages") from None
     in_calls = forced is not None and not thinking and open_calls
-    return PromptPlan(text + (CALLS_PREFIX if in_calls else ""), thinking, in_calls, forced, enforced_schema, tools)
+    return PromptPlan(text + (CALLS_PREFIX if in_calls else ""), thinking, in_calls, forced, enforced_schema, tools,
+                      media["images"])
 
 
 def tool_arguments_json(arguments: str) -> dict:

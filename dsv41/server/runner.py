@@ -14,6 +14,8 @@ from ..engine.request import Completion, Request, StreamEvent, check_prompts
 from ..engine.sampling import SamplingParams
 from .constrain import ConstraintError, GrammarFactory
 from .turns import TurnMemory
+from ..errors import ImageError
+from ..vision.sources import prompt_images
 from .prompts import PromptPlan, RequestError
 from .service import EngineService, Subscription
 from .stream import CompletionStream, Delta
@@ -70,6 +72,8 @@ class Run:
     prompt: list[int]
     memory: TurnMemory | None = None
     """Told prompt + completion ids of each finished choice (the next turn continues them)."""
+    remembered: list[int] | None = None
+    """The prompt as the memory keeps it: one placeholder per image, not its span (default: `prompt`)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -91,7 +95,7 @@ class Run:
                     raise RuntimeError(f"the engine failed: {event}") from event
                 deltas = choice.take(event)
                 if choice.completion is not None and self.memory is not None:
-                    self.memory.remember(self.prompt + choice.completion.token_ids)
+                    self.memory.remember((self.remembered or self.prompt) + choice.completion.token_ids)
                 yield choice, deltas, event
                 if choice.completion is None:
                     queues[asyncio.ensure_future(choice.sub.queue.get())] = choice
@@ -130,6 +134,13 @@ def start(state, plan: PromptPlan | None, prompt: list[int], gen: Generation, pr
     """Validate and submit one API request (n engine requests) to a ready server (`app.ServerState`)."""
     service, factory, tokenizer = state.service, state.grammars, state.tokenizer
     context = service.engine.context
+    placeholders, spans = prompt, ()
+    if plan is not None and plan.images:
+        try:
+            prompt, spans = prompt_images(prompt, plan.images, service.engine.model.cfg, state.image_sources,
+                                          tokenizer=tokenizer)
+        except ImageError as e:
+            raise RequestError(str(e), "messages") from None
     check_prompt(prompt, context, tokenizer.vocab_size)
     max_tokens = gen.max_tokens if gen.max_tokens is not None else context - len(prompt)
     if len(prompt) + max_tokens > context and not (gen.prompt_logits and max_tokens == 0):
@@ -143,7 +154,7 @@ def start(state, plan: PromptPlan | None, prompt: list[int], gen: Generation, pr
             requests.append(Request(tuple(prompt), max_new_tokens=max_tokens, sampling=gen.sampling,
                                     stop_strings=gen.stop, seed=None if gen.seed is None else gen.seed + i,
                                     constraint=_constraint(factory, plan, max_tokens), logprobs=gen.logprobs,
-                                    prompt_logits=gen.prompt_logits))
+                                    prompt_logits=gen.prompt_logits, images=spans))
         except RequestError:
             raise
         except ValueError as e:
@@ -157,7 +168,8 @@ def start(state, plan: PromptPlan | None, prompt: list[int], gen: Generation, pr
         for choice in choices:                      # all of the request's choices run, or none
             service.cancel(choice.sub)
         raise
-    return Run(f"{prefix}{uuid.uuid4().hex[:24]}", choices, list(prompt), state.turns)
+    return Run(f"{prefix}{uuid.uuid4().hex[:24]}", choices, list(prompt), state.turns,
+               list(placeholders) if spans else None)
 
 
 def check_prompt(prompt: list[int], context: int, vocab: int) -> None:

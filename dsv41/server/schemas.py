@@ -16,9 +16,15 @@ class Body(BaseModel):
 
 
 # ------------------------------------------------------------------------------------ OpenAI chat
+class ImageURL(Body):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(Body):
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
 
 
 class FunctionCall(Body):
@@ -130,6 +136,8 @@ class Block(Body):
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None
     content: str | list["Block"] | None = None
+    source: dict[str, Any] | None = None
+    """An image block's source: {"type": "base64", "media_type", "data"} or {"type": "url", "url"}."""
 
 
 class AnthropicMessage(Body):
