@@ -22,6 +22,9 @@ What is compared:
 - with a vision tower ("vision" cases): a prompt holding one image span, made from a generated PNG by
   each side's own processor. The reference's patches must equal dsv41's bit for bit, and the prefill
   merges the span's rows (ViT, aligner, delimiters) and routes its positions with `bias_vl`.
+- with a vision case selected, also the vision encoder alone at the released widths (one of the 32 ViT
+  blocks, the aligner into dim 5120) on a 640 × 480 picture: the span's aligner rows must be
+  bit-identical (a tiny ViT passing proves little about 1024-wide bf16 GEMMs, trap 22).
 - both index-key semantics (trap 15): "stale" runs the reference as released against dsv41's
   `stale_index_keys=True`; "own" makes each reference index source read its own keys, dsv41's default.
 - dsv41's default invariant kernels, for information: how far exact-sum matmuls land from the
@@ -247,6 +250,34 @@ class VisionInputs:
         return dict(images=[[self.reference_image]], token_types=self.types[:, :prefill])
 
 
+def released_encoder_case(module, blocks: int = 1) -> bool:
+    """dsv41's ViT + aligner against the reference's at the released widths (`blocks` ViT blocks)."""
+    from dsv41.config import RELEASED_CONFIG
+    from dsv41.vision.encoder import Aligner, ViT
+    from dsv41.vision.processor import load_image
+
+    cfg = ModelConfig.from_json(RELEASED_CONFIG).replace(vision_n_layers=blocks)
+    ours = torch.nn.ModuleDict({"vision": ViT(cfg), "aligner": Aligner(cfg)})
+    init_random_(ours, 0)
+    vision = importlib.import_module(module.__name__.rpartition(".")[0] + ".vision")
+    ip = importlib.import_module(module.__name__.rpartition(".")[0] + ".image_processor")
+    args = reference_args(module, cfg, 64)
+    with default_dtype(torch.bfloat16):
+        theirs = torch.nn.ModuleDict({"vision": vision.ViT(args), "aligner": vision.Aligner(args)})
+    theirs.load_state_dict(ours.state_dict())
+    picture = case_picture(640, 480, 0)
+    image = load_image(picture, cfg)
+    patches, n_vit_h, n_vit_w, _, _ = ip.load_image({"data": picture}, args)
+    plan = image.plan
+    with torch.no_grad():
+        mine = ours["aligner"](ours["vision"](image.patches, plan.n_vit_h, plan.n_vit_w), plan.n_vit_h, plan.n_vit_w)
+        with default_dtype(torch.bfloat16):
+            ref = theirs["aligner"](theirs["vision"](patches, n_vit_h, n_vit_w), n_vit_h, n_vit_w)
+    same = torch.equal(patches.flatten(1), image.patches) and torch.equal(mine, ref)
+    print(f"released ViT widths ({blocks} block, {plan.n_patches} patches) + aligner: bit-identical {same}")
+    return same
+
+
 def run_reference(module, ours: Transformer, ids, prefill, semantics: str, ties: TieRule, vision=None):
     with default_dtype(torch.bfloat16):
         ref = module.Transformer(reference_args(module, ours.cfg, ours.runtime.max_seq_len))
@@ -410,6 +441,8 @@ def main(argv=None) -> int:
               f"{invariant['argmax']:>7.3f}" + ("" if ties.mismatched == 0 else f"  NOT A TIE: {ties.mismatched}"))
         if args.record and case.get("golden") and semantics == "own":
             print(f"  recorded {record(args.record, label, cfg, seed, ids, prefill, theirs, vision)}")
+    if any("image" in CASES[label] for label in args.cases):
+        failures += not released_encoder_case(module)
     print("every case bit-identical" if not failures else f"{failures} case(s) differ")
     return 1 if failures else 0
 
