@@ -120,7 +120,8 @@ def test_each_image_is_encoded_once_and_a_kept_prefix_not_again(demo, monkeypatc
                                           {"type": "text", "text": "What is this?"}]}]
     rendered, media = encode_messages(first, return_multi_modal_data=True)
     ids, spans = prompt_images(tokenizer.encode_prompt(rendered), media["images"], model.cfg, ImageSources())
-    e = Engine(model, tokenizer, EngineConfig(n_slots=2, prefill_chunk=5, token_budget=5))
+    # no image cache: what keeps the image from a second encoding is the reused prefix alone
+    e = Engine(model, tokenizer, EngineConfig(n_slots=2, prefill_chunk=5, token_budget=5, image_cache=0))
     e.submit(GREEDY.request(ids, spans))
     [done] = [ev.completion for ev in e.run() if ev.completion is not None]
     assert len(counter.digests) == 1                       # over several chunks, one encoding
@@ -134,6 +135,18 @@ def test_each_image_is_encoded_once_and_a_kept_prefix_not_again(demo, monkeypatc
     e.submit(GREEDY.request(follow, (PromptImage(spans[0].start, other),)))
     [cold] = [ev.completion for ev in e.run() if ev.completion is not None]
     assert cold.cached_tokens == 0 and counter.digests[-1] == other.digest
+
+
+@pytest.mark.parametrize("kept, encodings", [(None, 1), (0, 2)])
+def test_the_same_picture_in_two_requests_is_encoded_once(demo, monkeypatch, kept, encodings):
+    """The engine's image cache (by digest): two choices of one prompt share the encoding; without the
+    cache each encodes its own. Both give the same tokens either way."""
+    model, tokenizer = demo
+    counter = EncodeCounter(model, monkeypatch)
+    ids, spans = image_prompt(demo, [picture(97, 61, 0)])
+    done, engine = run(model, tokenizer, [GREEDY.request(ids, spans)] * 2, image_cache=kept)
+    assert len(counter.digests) == encodings == engine.stats.images_encoded
+    assert done[0].token_ids == done[1].token_ids
 
 
 def test_image_positions_route_with_bias_vl(demo, monkeypatch):

@@ -13,6 +13,7 @@ model only through `ModelInterface` (protocol.py) and knows no chat format (STYL
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -48,6 +49,8 @@ class EngineConfig:
     """Finished sequences kept for reuse (None: as many as there are idle slots; 0: none)."""
     seed: int = 0
     """Seeds the generators of requests that bring none (request id added)."""
+    image_cache: int | None = None
+    """Encoded images kept by digest for other requests (None: as many as there are slots; 0: none)."""
 
     def __post_init__(self) -> None:
         for name in ("n_slots", "token_budget", "prefill_chunk"):
@@ -65,6 +68,7 @@ class EngineStats:
     generated: int = 0
     prefix_hits: int = 0
     cached_tokens: int = 0
+    images_encoded: int = 0
     step_seconds: list[float] = field(default_factory=list)
 
 
@@ -80,6 +84,8 @@ class Engine:
         self.waiting: list[Sequence] = []
         self.running: dict[int, Sequence] = {}
         self.stats = EngineStats()
+        keep_images = self.config.image_cache
+        self.images = ImageCache(self.config.n_slots if keep_images is None else keep_images)
         self._next_id = 0
         self.vocab_limit = tokenizer.vocab_size if tokenizer is not None else model.cfg.vocab_size
         self.observes = model.cfg.dspark_enabled and self.config.speculative
@@ -218,8 +224,9 @@ class Engine:
 
     # ---------------------------------------------------------------------------------- images
     def _span_rows(self, works: list[Work], step) -> SpanRows | None:
-        """The image-span rows of the step's prompt chunks; each image is encoded once, when its span is
-        first fed (a span already in the cache — a reused prefix — is never encoded)."""
+        """The image-span rows of the step's prompt chunks. An image is encoded when its span is first
+        fed and held by its request until the span is in the cache (a span already there — a reused
+        prefix — is never encoded); the engine keeps recent encodings by digest for other requests."""
         pieces = []
         for r, work in enumerate(works):
             seq = work.seq
@@ -228,9 +235,17 @@ class Engine:
             spans = seq.spans_in(seq.fed, len(work.tokens))
             for span in spans:
                 if span.start not in seq.encoded:
-                    seq.encoded[span.start] = self.model.encode_image(span.image)
+                    seq.encoded[span.start] = self._encoded(span.image)
             pieces.append((step.offsets[r], seq.fed, len(work.tokens), [(s, seq.encoded[s.start]) for s in spans]))
         return call_rows(pieces, step.n_tokens, self.model.device) if pieces else None
+
+    def _encoded(self, image) -> torch.Tensor:
+        rows = self.images.get(image.digest)
+        if rows is None:
+            rows = self.model.encode_image(image)
+            self.stats.images_encoded += 1
+            self.images.put(image.digest, rows)
+        return rows
 
     # ---------------------------------------------------------------------------------- sampling
     def _logits(self, hidden: torch.Tensor, works: list[Work], step) -> list[torch.Tensor | None]:
@@ -344,6 +359,28 @@ class Engine:
         picks = [step.offsets[r] + i for r, k in enumerate(keep) for i in range(k)]
         kept = self.model.step(step.slots, step.starts, keep)
         self.model.dspark_observe(dspark_hidden, kept, self.cache, rows=picks)
+
+
+class ImageCache:
+    """Encoded images [L, D] by digest, least recently used out first: a picture sent again (the `n`
+    choices of one API request, a retried request) is not encoded again. At most `capacity` kept."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    def get(self, digest: str) -> torch.Tensor | None:
+        rows = self.entries.get(digest)
+        if rows is not None:
+            self.entries.move_to_end(digest)
+        return rows
+
+    def put(self, digest: str, rows: torch.Tensor) -> None:
+        if self.capacity <= 0:
+            return
+        self.entries[digest] = rows
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
 
 
 # ------------------------------------------------------------------------------------ constraints
