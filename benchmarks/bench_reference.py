@@ -14,7 +14,7 @@ medians of --repeats:
   reference, dsv41 `reference` numerics (invariant and BLAS kernels) and dsv41 `fast` numerics (bf16);
 - the machine's memory bandwidth (a large copy), and what fast decode's weight reads would cost at it:
   the bytes a step must read (dense weights, the chosen experts, the head) over the bandwidth, the floor;
-- fast decode at batch 16 against batch 1 (aggregate tokens/s).
+- decode at batch 16 against batch 1 (aggregate tokens/s), fast and reference/invariant.
 Ratios are printed against the reference measured in the same run.
 """
 
@@ -173,8 +173,9 @@ def main() -> None:
     fast_ms = statistics.median(fast.step_s) * 1e3
     print(f"memory: {gb_s:.1f} GB/s (copy); a fast decode step reads {need / 1e6:.1f} MB of weights, floor "
           f"{floor_ms:.2f} ms: fast decode runs at {100 * floor_ms / fast_ms:.0f}% of it")
-    one_ms, scale = batch_speedup(fast_model, args.prefill, args.decode)
-    print(f"fast decode batch {BATCH}: {scale:.2f}x the tokens/s of batch 1 ({one_ms:.2f} ms per batch-1 step)")
+    for name, m in (("fast", fast_model), ("reference/invariant", model)):
+        one_ms, scale = batch_speedup(m, args.prefill, args.decode)
+        print(f"{name} decode batch {BATCH}: {scale:.2f}x the tokens/s of batch 1 ({one_ms:.2f} ms per batch-1 step)")
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ class Record:
 
         def scores(ix, x, qr, keys, positions, *args):
             out = real(ix, x, qr, keys, positions, *args)
-            self.chunks.append((positions.shape[0], out))
+            self.chunks.append((positions.shape[-1], positions.expand(out.shape[:2]), out))
             return out
 
         monkeypatch.setattr(Indexer, "scores", scores)
@@ -163,7 +163,7 @@ def test_model_logits_bit_equal_whatever_the_budget(binding_model, pattern, monk
     # the premise: top-k binds, and scores tie at the k-th score
     assert max(int((s >= 0).sum(-1).max()) for s in ref.selections) == K
     ties = 0
-    for _, s in ref.chunks:
+    for _, _, s in ref.chunks:
         s = s.float()
         if s.shape[-1] > K:
             kth = s.topk(K, dim=-1).values[..., -1:]
@@ -172,10 +172,10 @@ def test_model_logits_bit_equal_whatever_the_budget(binding_model, pattern, monk
 
     # the budgets really cut: whole call rows, odd-sized chunks, single rows
     rows_per_call = set(pattern[i + 1] - pattern[i] for i in range(len(pattern) - 1))
-    assert {n for n, _ in ref.chunks} == rows_per_call
-    odd = [n for n, _ in runs[ODD_BUDGET][1].chunks]
+    assert {n for n, _, _ in ref.chunks} == rows_per_call
+    odd = [n for n, _, _ in runs[ODD_BUDGET][1].chunks]
     assert max(odd) < LENGTH and len(set(odd) - rows_per_call) > 1
-    assert {n for n, _ in runs[1][1].chunks} == {1}
+    assert {n for n, _, _ in runs[1][1].chunks} == {1}
 
     for budget in (ODD_BUDGET, 1):
         got, record = runs[budget]
@@ -183,9 +183,16 @@ def test_model_logits_bit_equal_whatever_the_budget(binding_model, pattern, monk
         assert len(record.selections) == len(ref.selections)
         assert all(torch.equal(a, b) for a, b in zip(record.selections, ref.selections))
         assert all(torch.equal(a, b) for a, b in zip(record.candidates, ref.candidates))
-        chunked = [row for _, s in record.chunks for row in s[0]]       # every query row's scores, in order
-        whole = [row for _, s in ref.chunks for row in s[0]]
-        assert len(chunked) == len(whole) and all(torch.equal(a, b) for a, b in zip(chunked, whole))
+        # every query row's scores, whichever chunk (or batch of call rows) scored it
+        assert query_rows(record.chunks) == query_rows(ref.chunks)
+
+
+def query_rows(chunks) -> list[tuple[int, bytes]]:
+    """(position, score bytes) of every query row the chunks scored, sorted: rows scored one call row at a
+    time and rows scored as a batch of call rows compare equal exactly when every row's scores are equal."""
+    rows = [(int(p), r.float().numpy().tobytes()) for _, positions, s in chunks
+            for p, r in zip(positions.reshape(-1), s.reshape(-1, s.shape[-1]))]
+    return sorted(rows)
 
 
 def long_indexer(mode: str, kernels: str, n_heads: int):

@@ -340,12 +340,14 @@ def cached_block_oracle(model, layer):
 # ------------------------------------------------------------------------------------------ attention
 
 def record_indexer_scores(monkeypatch) -> list:
-    """Spy on Indexer.scores: (indexer, positions [T], scores [1, T, C]) per call (one per row)."""
+    """Spy on Indexer.scores: (indexer, positions [T], scores [1, T, C]) per call row, in row order (a
+    call's rows of one length are scored as one batch, positions [B, T])."""
     recorded, real = [], Indexer.scores
 
     def scores(self, x, qr, keys, positions, *args, **kwargs):
         out = real(self, x, qr, keys, positions, *args, **kwargs)
-        recorded.append((self, positions.clone(), out))
+        rows = positions.view(-1, positions.shape[-1])
+        recorded.extend((self, rows[b].clone(), out[b:b + 1]) for b in range(rows.shape[0]))
         return out
 
     monkeypatch.setattr(Indexer, "scores", scores)

@@ -211,18 +211,42 @@ class Attention(nn.Module):
 
     def _compress(self, x: torch.Tensor, step: Step, source: SourceState) -> list[bool]:
         """Compress the groups each row completes into its slot's rows and index keys; → per row, whether
-        it published any."""
-        published = []
+        it published any.
+
+        Under exact-sum kernels the projections run over the call's tokens at once and the new latents
+        of every row get their keys and rotations together (a row's bits do not depend on the others);
+        BLAS kernels project each row on its own, so that a row sums as it does alone (NUMERICS.md N1)."""
+        together = self.numerics.invariant and step.n_rows > 1
+        projected = self.compressor.project(x[0]) if together else None
+        latents, firsts, published = [], [], []
         for r, (slot, start) in enumerate(zip(step.slots, step.starts)):
-            latent, first = self.compressor(x[0, step.tokens_of(r)], start, source, slot)   # [g, Dh] pre-RoPE
+            seg = step.tokens_of(r)
+            if together:
+                own = projected[seg] if torch.is_tensor(projected) else tuple(t[seg] for t in projected)
+                latent, first = self.compressor.from_projected(own, start, source, slot, x.dtype)   # [g, Dh]
+            else:
+                latent, first = self.compressor(x[0, seg], start, source, slot)
             g = latent.shape[0]
-            if g:
-                positions = torch.arange(first, first + g, device=x.device) * self.role.ratio     # trap 8
-                keys = self.indexer.keys(latent[None], positions, self.rotary)[0]
-                kv = self.numerics.qdq_compressed(self.rotary.rotate(latent[None], positions))[0]
-                source.publish(slot, first, kv, keys)
+            if g and not together:
+                self._publish(source, [slot], [first], [latent], x.device)
+            latents.append(latent)
+            firsts.append(first)
             published.append(g > 0)
+        if together and any(published):
+            self._publish(source, step.slots, firsts, latents, x.device)
         return published
+
+    def _publish(self, source: SourceState, slots, firsts, latents, device) -> None:
+        """Rotate the pre-RoPE latents (each row's from its first compressed row) at their groups' first
+        tokens (trap 8), derive their index keys, and write both into the slots' compressed rows."""
+        counts = [latent.shape[0] for latent in latents]
+        rows = torch.cat([torch.arange(f, f + g) for f, g in zip(firsts, counts)]).to(device)
+        owners = torch.repeat_interleave(torch.tensor(list(slots)), torch.tensor(counts)).to(device)
+        latent = torch.cat(latents)[None]                                               # [1, G, Dh]
+        positions = rows * self.role.ratio
+        keys = self.indexer.keys(latent, positions, self.rotary)[0]
+        kv = self.numerics.qdq_compressed(self.rotary.rotate(latent, positions))[0]
+        source.publish_rows(owners, rows, kv, keys)
 
     def _keys_owner(self, step: Step, cache: ModelCache, r: int, published: list[bool]) -> int:
         """Whose index keys row r scores against: the kv source's, or with `stale_index_keys` the last
@@ -233,13 +257,22 @@ class Attention(nn.Module):
             return cache.published_keys[slot]
         return role.kv_source
 
+    def _rows_together(self, step: Step, C: int) -> bool:
+        """Whether the call's rows are scored as one batch: more than one, all of one length, and the
+        batch's keys [B, C, Di] (in float64 under exact-sum kernels) within the indexer's budget. A
+        row's scores and choices keep the bits they have one row at a time (`Indexer._tile`)."""
+        if step.n_rows == 1 or len(set(step.counts)) > 1:
+            return False
+        itemsize = 8 if self.numerics.invariant else 4
+        return step.n_rows * C * self.indexer.head_dim * itemsize <= self.indexer.budget_bytes
+
     def select(self, x, qr, step: Step, handoff: Handoff, C: int, keys_of):
         """[N, k] compressed positions per token, ascending, −1 for none (§11.6); keys_of(r): call row r's
         index keys [1, C, Di] (from the cache, or in training from the call itself).
 
         Each row is scored in chunks of query rows (`Indexer.select`), so the indexer's transients stay
         within its budget whatever C is; the candidate source fills its [1, N, C] kept-block mask chunk
-        by chunk.
+        by chunk. Rows of one length go together, as a batch of rows (`_rows_together`).
         """
         if C == 0:
             return torch.empty(step.n_tokens, 0, dtype=torch.long, device=x.device)
@@ -252,11 +285,24 @@ class Attention(nn.Module):
         elif role.candidate_source is not None:
             restrict = handoff.candidates_for(role)                                 # [1, N, C]
         chosen = torch.empty(step.n_tokens, min(self.index_topk, C), dtype=torch.long, device=x.device)
-        for r in range(step.n_rows):
-            seg = step.tokens_of(r)
-            self.indexer.select(x[:, seg], qr[:, seg], keys_of(r), step.positions[seg], visible[seg], self.rotary,
-                                self.index_topk, blocks=blocks, keep=None if keep is None else keep[:, seg],
-                                restrict=None if restrict is None else restrict[:, seg], out=chosen[None, seg])
+        q, weights = self.indexer.queries(x, qr, step.positions, self.rotary)     # the call's rows at once
+        if self._rows_together(step, C):
+            # rows of one length (a decode or verify step) score as one batch: their keys side by side
+            B, T = step.n_rows, step.counts[0]
+            keys = torch.cat([keys_of(r) for r in range(B)])                          # [B, C, Di]
+            as_rows = lambda t: None if t is None else t.reshape(B, T, *t.shape[2:])
+            self.indexer.select(as_rows(x), as_rows(qr), keys, step.positions.view(B, T), visible.view(B, T),
+                                self.rotary, self.index_topk, blocks=blocks, keep=as_rows(keep),
+                                restrict=as_rows(restrict), out=chosen.view(B, T, -1),
+                                queries=(as_rows(q), as_rows(weights)))
+        else:
+            for r in range(step.n_rows):
+                seg = step.tokens_of(r)
+                self.indexer.select(x[:, seg], qr[:, seg], keys_of(r), step.positions[seg], visible[seg],
+                                    self.rotary, self.index_topk, blocks=blocks,
+                                    keep=None if keep is None else keep[:, seg],
+                                    restrict=None if restrict is None else restrict[:, seg], out=chosen[None, seg],
+                                    queries=(q[:, seg], weights[:, seg]))
         if keep is not None:
             handoff.publish_candidates(role.layer_id, keep)
         return chosen

@@ -51,10 +51,10 @@ class SourceState:
         index = list(slots)
         return self.kv[index, :count], self.index_keys[index, :count]
 
-    def publish(self, slot: int, first: int, kv: torch.Tensor, keys: torch.Tensor) -> None:
-        """Compressed rows first … first + n − 1 of a slot: kv [n, Dh], index keys [n, Di]."""
-        self.kv[slot, first:first + kv.shape[0]] = kv.to(self.kv.dtype)
-        self.index_keys[slot, first:first + keys.shape[0]] = keys.to(self.index_keys.dtype)
+    def publish_rows(self, slots: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor, keys: torch.Tensor) -> None:
+        """Compressed row rows[i] of slot slots[i] for every i: kv [G, Dh], index keys [G, Di]."""
+        self.kv[slots, rows] = kv.to(self.kv.dtype)
+        self.index_keys[slots, rows] = keys.to(self.index_keys.dtype)
 
     def tail(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 (kv, score) [n, Dh] of the open group's first n positions."""

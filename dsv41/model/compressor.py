@@ -35,18 +35,30 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, start_pos: int, state: SourceState, slot: int) -> tuple[torch.Tensor, int]:
         """x [n, D] (one row's normed attention input, positions start_pos …) → (latents [g, Dh] pre-RoPE,
         the compressed row of the first). g may be 0."""
+        return self.from_projected(self.project(x), start_pos, state, slot, x.dtype)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [n, D] → r = 1: the normed latents [n, Dh]; r > 1: fp32 (kv, score) [n, Dh] of each position."""
         if self.ratio == 1:
-            return self.norm(self.wkv(x)), start_pos
-        r = self.ratio
+            return self.norm(self.wkv(x))
         h = x.float()
-        kv, score = self.wkv(h), self.wgate(h)                      # [n, Dh] fp32
+        return self.wkv(h), self.wgate(h)
+
+    def from_projected(self, projected, start_pos: int, state: SourceState, slot: int,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """One row's `project` output (positions start_pos …) → (latents [g, Dh], first compressed row)."""
+        if self.ratio == 1:
+            return projected, start_pos
+        r = self.ratio
+        kv, score = projected
+        n = kv.shape[0]
         lead = start_pos % r                                        # positions of the open group already seen
         if lead:
             tail_kv, tail_score = state.tail(slot, lead)
             kv, score = torch.cat([tail_kv, kv]), torch.cat([tail_score, score])
         first = start_pos - lead
-        state.carry(slot, first, kv, score, start_pos + x.shape[0])
-        return self.pool(kv, score, x.dtype), first // r
+        state.carry(slot, first, kv, score, start_pos + n)
+        return self.pool(kv, score, dtype), first // r
 
     def latents(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, D] of one row from position 0, all at once (training) → latents [⌊n/r⌋, Dh] pre-RoPE."""

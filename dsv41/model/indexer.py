@@ -20,11 +20,13 @@ exceeds the indexer's byte budget (`Indexer.budget_bytes`), and says how many by
 (a few budgets). It holds at any C down to one row of the narrowest tile.
 
 Bits. A row's scores, blocks and top-k depend on that row only; the query projections run once per
-call row (a BLAS projection of fewer rows sums in another order, docs/NUMERICS.md N1); a logit and its
-head sum keep their bits in a chunk of rows and in an aligned column tile (`column_tiles`) — exactly
-for the float64 products of bf16 / fp4 values, by measurement for BLAS GEMMs and fp32 head sums (torch
-2.13 + MKL, AVX-512, tests/test_indexer_memory.py). So a chunked call is bit-identical to the call in
-one piece, in every numerics mode.
+call, before any chunking (a BLAS projection of fewer rows sums in another order, docs/NUMERICS.md N1);
+a logit and its head sum keep their bits in a chunk of rows and in an aligned column tile
+(`column_tiles`) — exactly for the float64 products of bf16 / fp4 values, by measurement for BLAS
+GEMMs and fp32 head sums (torch 2.13 + MKL, AVX-512, tests/test_indexer_memory.py). A call's rows of one
+length are scored as one batch when their keys fit the budget, each BLAS product and head sum still at
+the shapes of one row (`Indexer._tile`). So a chunked call is bit-identical to the call in one piece,
+and a batched one to its rows scored one by one, in every numerics mode.
 """
 
 from __future__ import annotations
@@ -210,9 +212,7 @@ class Indexer(nn.Module):
         tiles = column_tiles(C, self.tiling(B * T, C, q.element_size()).columns)
         score = None
         for start, end in tiles:
-            logits = self.numerics.einsum("bthd,bcd->bthc", q, keys[:, start:end])          # [B, T, Hi, c]
-            part = self.numerics.head_sum(logits.relu() * weights.unsqueeze(-1), 2)          # [B, T, c]
-            del logits                                  # before the next tile's: one tile alive at a time
+            part = self._tile(q, weights, keys[:, start:end])                                # [B, T, c]
             if self.heads_shard is not None:
                 # every rank then holds the same scores, so all make the same top-k choices
                 dist.all_reduce(part, group=self.heads_shard.group)
@@ -226,29 +226,41 @@ class Indexer(nn.Module):
         hidden = torch.arange(C, device=q.device) >= visible.unsqueeze(-1)
         return score.masked_fill(hidden, NEG_INF)
 
+    def _tile(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """[B, T, c] head-weighted ReLU logits of a key tile [B, c, Di]. Under BLAS kernels each batch row
+        runs at the shapes it has alone: a batched product and an fp32 head sum over a larger tensor
+        round differently (NUMERICS.md N1, N8)."""
+        if q.shape[0] > 1 and not self.numerics.invariant:
+            return torch.cat([self._tile(q[b:b + 1], weights[b:b + 1], keys[b:b + 1]) for b in range(q.shape[0])])
+        logits = self.numerics.einsum("bthd,bcd->bthc", q, keys)                            # [B, T, Hi, c]
+        return self.numerics.head_sum(logits.relu() * weights.unsqueeze(-1), 2)
+
     def select(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                visible: torch.Tensor, rotary: Rotary, topk: int, *, blocks: tuple[int, int] | None = None,
                keep: torch.Tensor | None = None, restrict: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, T, k] compressed positions per query (`select_topk`), scored in chunks of query rows.
+               out: torch.Tensor | None = None,
+               queries: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """[B, T, k] compressed positions per query (`select_topk`), scored in chunks of query rows;
+        positions and visible are [T] (every row) or [B, T] (each row its own).
 
         blocks = (Nb, Bs): also write the candidate stage's kept-block mask of each row into `keep`
         [B, T, C] (a candidate source); restrict [B, T, C]: score only the positions it keeps (a
         candidate user); out: where to write the positions. The chunks change no bit: a row's scores,
-        blocks and top-k are its own.
+        blocks and top-k are its own. `queries`: the rows' (q, weights) when the caller projected them.
         """
-        q, weights = self.queries(x, qr, positions, rotary)             # once: one BLAS call shape (N1)
+        q, weights = self.queries(x, qr, positions, rotary) if queries is None else queries   # once (N1)
         B, T, C = q.shape[0], q.shape[1], keys.shape[1]
         rows = max(1, self.tiling(B * T, C, q.element_size()).rows // B)
         chosen = torch.empty(B, T, min(topk, C), dtype=torch.long, device=q.device) if out is None else out
         for a in range(0, T, rows):
             r = slice(a, a + rows)
-            score = self.scores(x[:, r], qr[:, r], keys, positions[r], visible[r], rotary, (q[:, r], weights[:, r]))
+            seen = visible[..., r]
+            score = self.scores(x[:, r], qr[:, r], keys, positions[..., r], seen, rotary, (q[:, r], weights[:, r]))
             if blocks is not None:
-                keep[:, r] = candidate_blocks(score, visible[r], *blocks)
+                keep[:, r] = candidate_blocks(score, seen, *blocks)
             if restrict is not None:
                 score = score.masked_fill(~restrict[:, r], NEG_INF)
-            chosen[:, r] = select_topk(score, visible[r], topk)
+            chosen[:, r] = select_topk(score, seen, topk)
             del score                                   # before the next chunk's: one chunk alive at a time
         return chosen
 
@@ -280,4 +292,4 @@ def select_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch
     """
     k = min(topk, scores.shape[-1])
     chosen = ordered_topk(scores, k, sorted=False)[1].sort(dim=-1).values
-    return torch.where(chosen < visible.view(1, -1, 1), chosen, -1)
+    return torch.where(chosen < visible.unsqueeze(-1), chosen, -1)
