@@ -204,6 +204,8 @@ def test_released_plan_matches_the_published_figures(released_cfg):
     plan = plan_load(released_cfg, runtime, model=model)
     assert plan.weights["routed experts"] / GIB == pytest.approx(268.95, abs=0.01)   # docs/CHECKPOINT.md §4
     assert plan.engram / GIB == pytest.approx(188.83, abs=0.01)
+    # the ViT and aligner in bf16 (docs/CHECKPOINT.md §4: 823,685,120 + 146,821,120 bytes) and the delimiters
+    assert plan.weights["vision encoder"] == 823_685_120 + 146_821_120 + 3 * 5120 * 2
     for ws, engram in ((2, 94.4), (4, 47.2), (8, 23.6)):                 # docs/CHECKPOINT.md §6
         assert plan_load(released_cfg, runtime, world_size=ws, model=model).engram / GIB == pytest.approx(engram, abs=0.05)
     # caches: 3,200 B per token of compressed KV and index keys (§6) + the rings + 8 B of Engram history

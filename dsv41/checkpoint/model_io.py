@@ -201,7 +201,7 @@ def load_into(model: nn.Module, ckpt: CheckpointDir, *, device: str | torch.devi
               engram_on_disk: bool = False, progress: bool | None = None) -> list[str]:
     """Materialise every module tensor of `model` (built on the meta device) from `ckpt`.
 
-    Returns the stored names it left on disk (vision, DSpark when not built). Raises CheckpointError
+    Returns the stored names it left on disk (DSpark when not built, vision in a text-only build). Raises CheckpointError
     before touching the model if any module tensor has no stored source, or a stored weight is not in a
     form its module tensor can take (a quantised weight without its scale, a dtype the module does not
     hold quantised): those are never cast.

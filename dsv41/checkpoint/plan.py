@@ -48,6 +48,8 @@ def component_of(name: str) -> str:
         return "embedding"
     if name.startswith("head."):
         return "head"
+    if name.startswith(("vision.", "aligner.", "image_")):
+        return "vision encoder"
     return "attention, shared experts, norms"
 
 
