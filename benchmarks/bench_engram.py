@@ -20,6 +20,7 @@ import torch
 
 from dsv41.config import RELEASED_CONFIG, ModelConfig
 from dsv41.model.engram import Engram, EngramHistory, EngramLayout, EngramTable, NgramHasher
+from dsv41.model.numerics import Numerics
 
 RELEASE = RELEASED_CONFIG
 ROW_BYTES = 256 + 8  # e4m3 row plus its 8 ue8m0 scales
@@ -91,7 +92,7 @@ def bench_gather_ahead(cfg: ModelConfig, rows: int, tmp: Path) -> None:
     path = tmp / "engram_ahead.safetensors"
     write_sparse_table(path, rows)
     small = cfg.replace(dim=256, engram_num_embeddings=(1, 1))
-    module = Engram(small, 0)
+    module = Engram(small, 0, Numerics.default("reference"))   # wkv kept fp8 + scales
     module.embed = EngramTable.from_safetensors(path, "w", "s")  # the release's row count, mapped
     module.wkv.weight.data.view(torch.uint8).random_(0, 100)
     module.wkv.scale.data.view(torch.uint8).fill_(120)
