@@ -10,7 +10,9 @@ rendered prompts); dsv41 renders with its own encoder (`dsv41.chat`). The rules:
   the calls block's opener, so the answer starts inside it (Anthropic's `any` is rendered as `auto`, as
   the reference does, and the call is still enforced);
 - `response_format` json_object (which needs the word "json" somewhere in the messages) or json_schema
-  adds the schema to the first system message.
+  adds the schema to the first system message;
+- images (OpenAI `image_url` parts in user and tool messages, Anthropic `image` blocks, also inside tool
+  results) become the encoder's image blocks; `PromptPlan.images` lists their records in prompt order.
 Beyond the reference: `required` / a named function in thinking mode (the reference refuses it) and the
 `developer` role; the tool call and the JSON are also enforced by constrained decoding (constrain.py).
 Sampling settings are taken as given (the reference replaces a thinking-mode temperature of 0.3 or a
@@ -117,6 +119,11 @@ def _content(role: str, content, where: str) -> str | list[dict]:
         else:
             raise RequestError(f"content parts of type {part.type!r} are not supported (text and image_url are)",
                                f"{where}.{i}.type")
+    return _text_or_blocks(blocks)
+
+
+def _text_or_blocks(blocks: list[dict]) -> str | list[dict]:
+    """Text blocks alone become one text (joined as the encoder joins them); with an image, the blocks."""
     if all(b["type"] == "text" for b in blocks):
         return "\n\n".join(b["text"] for b in blocks)
     return blocks
@@ -210,8 +217,7 @@ def _anthropic_messages(m, where: str) -> list[dict]:
             raise RequestError(f"user content blocks of type {b.type!r} are not supported (text, image and "
                                f"tool_result are)", f"{where}.content.{i}.type")
     if blocks:
-        texts_only = all(b["type"] == "text" for b in blocks)
-        out.append({"role": "user", "content": "\n\n".join(b["text"] for b in blocks) if texts_only else blocks})
+        out.append({"role": "user", "content": _text_or_blocks(blocks)})
     return out
 
 
@@ -232,9 +238,7 @@ def _tool_result_content(content, where: str) -> str | list[dict]:
             blocks.append(_anthropic_image(x, f"{where}.{i}"))
         elif x.type == "text":
             blocks.append({"type": "text", "text": x.text or ""})
-    if all(b["type"] == "text" for b in blocks):
-        return "\n\n".join(b["text"] for b in blocks)
-    return blocks
+    return _text_or_blocks(blocks)
 
 
 # ------------------------------------------------------------------------------------ shared
