@@ -83,8 +83,8 @@ def test_matches_the_reference_recording(golden, kernels):
 
 # ------------------------------------------------------------------------------------------ mutations
 
-def _no_inverse_rope(self, x, positions, *, inverse=False):
-    return x if inverse else ORIGINAL_ROTATE(self, x, positions)
+def _no_inverse_rope(self, x, positions, *, inverse=False, phases=None):
+    return x if inverse else ORIGINAL_ROTATE(self, x, positions, phases=phases)
 
 
 def _interleaved_groups(self, o):

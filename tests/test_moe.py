@@ -230,9 +230,14 @@ def test_grouped_expert_gemm_against_the_loop_and_the_oracle():
 def test_the_expert_kernel_follows_the_device_and_numerics():
     assert Numerics.for_device("fast", None, "cuda") == Numerics("fast", "blas", "grouped")
     assert Numerics.for_device("fast", None, "cuda", "float32").experts == "loop"     # grouped kernels take bf16
-    assert Numerics.for_device("fast", None, "cpu") == Numerics("fast", "blas", "loop")
+    assert Numerics.for_device("fast", None, "cpu") == Numerics("fast", "blas", "loop", cpu_kernels=True)
+    assert not Numerics.for_device("fast", "invariant", "cpu").cpu_kernels          # they sum in their own order
+    assert not Numerics.for_device("reference", "blas", "cpu").cpu_kernels         # the reference's bits
+    assert not Numerics.for_device("fast", None, "meta").cpu_kernels
     assert Numerics.for_device("fast", "invariant", "cuda").experts == "loop"      # grouping sums in its own order
     assert Numerics.for_device("reference", None, "cuda:0").experts == "loop"
     for mode, kernels in (("reference", "blas"), ("fast", "invariant")):
         with pytest.raises(ConfigError, match="grouped expert GEMM needs fast numerics with BLAS"):
             Numerics(mode, kernels, "grouped")
+        with pytest.raises(ConfigError, match="CPU kernels sum in their own order"):
+            Numerics(mode, kernels, cpu_kernels=True)

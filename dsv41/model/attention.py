@@ -151,9 +151,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: Step, handoff: Handoff, cache: ModelCache) -> torch.Tensor:
         """x [1, N, D] (the call's packed tokens after attn_norm) → [1, N, D]."""
         pos, layer = step.positions, self.role.layer_id
+        phases = handoff.step_phases(self.rotary, step)
         qr = self.q_norm(self.wq_a(x))                                              # [1, N, Qr]
-        q = self.rotary.rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos)   # [1, N, H, Dh]
-        kv = self.numerics.qdq_window(self.rotary.rotate(self.kv_norm(self.wkv(x)), pos))      # [1, N, Dh]
+        q = self.rotary.rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos, phases=phases)
+        kv = self.numerics.qdq_window(self.rotary.rotate(self.kv_norm(self.wkv(x)), pos, phases=phases))
 
         pool = [cache.read_window(layer, step), kv[0]]                              # [B·W + N, Dh]
         if self.window not in handoff.window_rows:
@@ -167,7 +168,7 @@ class Attention(nn.Module):
 
         o = sparse_attention(q, torch.cat(pool)[None], rows[None], self.attn_sink, self.softmax_scale, self.numerics)
         cache.write_window(layer, kv[0], step)
-        o = self.rotary.rotate(o, pos, inverse=True)                                # trap 11
+        o = self.rotary.rotate(o, pos, inverse=True, phases=phases)                 # trap 11
         return self.wo_b(self._grouped_output(o))
 
     def _grouped_output(self, o: torch.Tensor) -> torch.Tensor:
@@ -285,7 +286,8 @@ class Attention(nn.Module):
         elif role.candidate_source is not None:
             restrict = handoff.candidates_for(role)                                 # [1, N, C]
         chosen = torch.empty(step.n_tokens, min(self.index_topk, C), dtype=torch.long, device=x.device)
-        q, weights = self.indexer.queries(x, qr, step.positions, self.rotary)     # the call's rows at once
+        q, weights = self.indexer.queries(x, qr, step.positions, self.rotary,     # the call's rows at once
+                                          handoff.step_phases(self.rotary, step))
         if self._rows_together(step, C):
             # rows of one length (a decode or verify step) score as one batch: their keys side by side
             B, T = step.n_rows, step.counts[0]

@@ -9,6 +9,7 @@ stochastic S×S residual mix made by Sinkhorn, applied transposed, trap 2). All 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .numerics import Numerics
@@ -21,10 +22,19 @@ INNERMOST_FROM = 64
 
 def sinkhorn(c: torch.Tensor, iters: int, eps: float, numerics: Numerics) -> torch.Tensor:
     """c [..., S, S] logits → near doubly stochastic; row softmax first, ends on a column step (§7.4)."""
-    few = c.shape[:-2].numel() < INNERMOST_FROM and not (c.requires_grad and torch.is_grad_enabled())
+    few = _few(c.shape[:-2].numel(), c)
+    if few and numerics.host_mixes:
+        a = c.detach().cpu().numpy().copy()
+        return torch.from_numpy(_host_sinkhorn(a, iters, a.dtype.type(eps))).to(c.device)
     if numerics.reference_order or few:
         return _sinkhorn(c, iters, eps, numerics, rows=-1, columns=-2)
     return _PositionsInnermost.apply(c, iters, eps, numerics)
+
+
+def _few(rows: int, *tensors: torch.Tensor) -> bool:
+    """Fewer rows than the positions-innermost layout pays for, and no autograd recording them."""
+    recording = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return rows < INNERMOST_FROM and not recording
 
 
 class _PositionsInnermost(torch.autograd.Function):
@@ -66,10 +76,40 @@ def _sinkhorn(c: torch.Tensor, iters: int, eps: float, numerics: Numerics, *, ro
     return c
 
 
+def _host_sinkhorn(a: np.ndarray, iters: int, eps: np.floating) -> np.ndarray:
+    """`_sinkhorn`'s steps in NumPy, in place on a [..., S, S]: a decode step's few 4×4 matrices cost
+    each torch op its fixed dispatch overhead (numerics.py `cpu_kernels`, docs/NUMERICS.md N10)."""
+    a -= a.max(axis=-1, keepdims=True)
+    np.exp(a, out=a)
+    a /= a.sum(axis=-1, keepdims=True)
+    a += eps
+    a /= a.sum(axis=-2, keepdims=True) + eps
+    for _ in range(iters - 1):
+        a /= a.sum(axis=-1, keepdims=True) + eps
+        a /= a.sum(axis=-2, keepdims=True) + eps
+    return a
+
+
+def _host_split_mixes(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, s: int, iters: int,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`split_mixes` in NumPy (few rows, fast numerics on the CPU): a dozen NumPy ops instead of ~140
+    torch ones. σ(z) is computed as (1 + tanh(z/2)) / 2, which cannot overflow."""
+    a = m.detach().cpu().numpy()
+    e = a.dtype.type(eps)
+    z = a * np.repeat(scale.detach().cpu().numpy(), (s, s, s * s)).astype(a.dtype) + base.detach().cpu().numpy()
+    gates = np.tanh(z[..., :2 * s] * a.dtype.type(0.5))
+    pre = gates[..., :s] * a.dtype.type(0.5) + (a.dtype.type(0.5) + e)
+    post = gates[..., s:] + a.dtype.type(1)
+    comb = _host_sinkhorn(np.ascontiguousarray(z[..., 2 * s:]).reshape(*a.shape[:-1], s, s), iters, e)
+    return tuple(torch.from_numpy(t).to(m.device) for t in (pre, post, comb))
+
+
 def split_mixes(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, streams: int, iters: int,
                 eps: float, numerics: Numerics) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """m [..., M] → pre [..., S], post [..., S], comb [..., S, S] (§7.3)."""
     s = streams
+    if numerics.host_mixes and _few(m.shape[:-1].numel(), m, scale, base):
+        return _host_split_mixes(m, scale, base, s, iters, eps)
     pre = numerics.sigmoid(m[..., :s] * scale[0] + base[:s]) + eps
     post = 2 * numerics.sigmoid(m[..., s:2 * s] * scale[1] + base[s:2 * s])
     comb = (m[..., 2 * s:] * scale[2] + base[2 * s:]).unflatten(-1, (s, s))

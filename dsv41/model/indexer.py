@@ -191,11 +191,12 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk(latent))
         return self.numerics.qdq_index(rotary.rotate(k, positions))
 
-    def queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
-                rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [B, T, Hi, Di] fp4-QDQ after RoPE, head weights [B, T, Hi]) of the rows given."""
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                phases: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [B, T, Hi, Di] fp4-QDQ after RoPE, head weights [B, T, Hi]) of the rows given; `phases`:
+        rotary's at these positions, if already computed."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = self.numerics.qdq_index(rotary.rotate(q, positions))
+        q = self.numerics.qdq_index(rotary.rotate(q, positions, phases=phases))
         weights = self.weights_proj(x) * self.weight_scale
         return q, weights
 
@@ -232,7 +233,7 @@ class Indexer(nn.Module):
         round differently (NUMERICS.md N1, N8)."""
         if q.shape[0] > 1 and not self.numerics.invariant:
             return torch.cat([self._tile(q[b:b + 1], weights[b:b + 1], keys[b:b + 1]) for b in range(q.shape[0])])
-        logits = self.numerics.einsum("bthd,bcd->bthc", q, keys)                            # [B, T, Hi, c]
+        logits = self.numerics.activation_einsum("bthd,bcd->bthc", q, keys)                 # [B, T, Hi, c]
         return self.numerics.head_sum(logits.relu() * weights.unsqueeze(-1), 2)
 
     def select(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,

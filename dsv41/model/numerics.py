@@ -28,6 +28,15 @@ One frozen object, built from the runtime config and passed to every module (STY
   - "grouped": one grouped GEMM per projection with device-side offsets (no host synchronisation); the
     accelerators' choice, fast numerics with BLAS kernels only.
   `for_device` picks it from the device the model runs on.
+- `cpu_kernels` (fast numerics with BLAS kernels on the CPU, set by `for_device`): the CPU's own choice
+  of kernel where torch's default is slow at decode sizes (docs/NUMERICS.md N10; benchmarks/bench_kernels.py):
+  - products of two bf16 activations (the index scores) run on fp32 copies and round back to bf16:
+    the bf16 path goes through oneDNN, which builds a kernel for every new shape (~0.7 ms; the key count
+    grows every decode step) and runs small products 2–8× slower than the fp32 BLAS;
+  - the hyper-connection mixes of fewer than `hyper.INNERMOST_FROM` rows (their gates and Sinkhorn)
+    run in NumPy (hyper.py): Sinkhorn's 120 steps on 4×4 matrices cost a fixed ~4 µs each as torch
+    ops, ~1.3 µs as NumPy ones.
+  Both sum in another order than the default path, which fast numerics with BLAS kernels allow.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ class Numerics:
     mode: str = "reference"
     kernels: str = "invariant"
     experts: str = "loop"
+    cpu_kernels: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -72,6 +82,9 @@ class Numerics:
             # the grouped GEMM sums in its own order: only fast numerics with BLAS kernels may take it
             raise ConfigError(f"the grouped expert GEMM needs fast numerics with BLAS kernels, not "
                               f"{self.mode}/{self.kernels}")
+        if self.cpu_kernels and (self.quantized or self.invariant):
+            raise ConfigError(f"the CPU kernels sum in their own order: fast numerics with BLAS kernels only, "
+                              f"not {self.mode}/{self.kernels}")
 
     @classmethod
     def default(cls, mode: str) -> "Numerics":
@@ -81,12 +94,16 @@ class Numerics:
 
     @classmethod
     def for_device(cls, mode: str, kernels: str | None, device: str, dtype: str = "bfloat16") -> "Numerics":
-        """The policy of a model on `device`: kernels as given (None: `default`), and the grouped expert
-        GEMM on accelerators when fast numerics run BLAS kernels in bf16 (the accelerators' grouped
-        kernels take bf16)."""
+        """The policy of a model on `device`: kernels as given (None: `default`); when fast numerics run
+        BLAS kernels, the grouped expert GEMM on accelerators in bf16 (their grouped kernels take bf16)
+        and the CPU kernels on the CPU."""
         policy = cls.default(mode) if kernels is None else cls(mode, kernels)
-        on_accelerator = torch.device(device).type not in ("cpu", "meta")
-        if on_accelerator and dtype == "bfloat16" and not (policy.quantized or policy.invariant):
+        if policy.quantized or policy.invariant:
+            return policy
+        kind = torch.device(device).type
+        if kind == "cpu":
+            return cls(policy.mode, policy.kernels, cpu_kernels=True)
+        if kind != "meta" and dtype == "bfloat16":
             return cls(policy.mode, policy.kernels, "grouped")
         return policy
 
@@ -103,6 +120,11 @@ class Numerics:
     @property
     def grouped_experts(self) -> bool:
         return self.experts == "grouped"
+
+    @property
+    def host_mixes(self) -> bool:
+        """Hyper-connection mixes (Sinkhorn included) of few rows in NumPy (hyper.py)."""
+        return self.cpu_kernels
 
     @property
     def reference_order(self) -> bool:
@@ -179,11 +201,25 @@ class Numerics:
         parts = [F.linear(x64, weight[i:i + rows].double()) for i in range(0, weight.shape[0], rows)]
         return _round(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0], x.dtype)
 
+    def matmul_into(self, x: torch.Tensor, weight_t: torch.Tensor, out: torch.Tensor) -> None:
+        """`linear` of x [m, K] with a transposed weight [K, N], written into out [m, N] (rows of a larger
+        result): BLAS kernels write in place, without a temporary and a copy."""
+        if self.invariant:
+            out.copy_(self.linear(x, weight_t.t()))
+        else:
+            torch.mm(x, weight_t, out=out)
+
     def einsum(self, equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """A two-operand einsum in a's dtype (the attention, index-score and wo_a products)."""
         if not self.invariant:
             return torch.einsum(equation, a, b.to(a.dtype))
         return _round(torch.einsum(equation, a.double(), b.double()), a.dtype)
+
+    def activation_einsum(self, equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """`einsum` of two activations (no weight), which the CPU kernels compute from fp32 copies."""
+        if self.cpu_kernels and a.dtype == torch.bfloat16:
+            return torch.einsum(equation, a.float(), b.float()).to(a.dtype)
+        return self.einsum(equation, a, b)
 
     def block_operand_dtype(self, storage: str) -> torch.dtype:
         """The precision a quantised GEMM takes a weight's code values in: float64 for fp8 weights under

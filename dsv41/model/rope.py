@@ -42,6 +42,8 @@ class Rotary(nn.Module):
         super().__init__()
         self.rope_dim = rope_dim
         self.register_buffer("freqs", freqs, persistent=False)
+        # equal for every layer with the same table: a forward computes their phases once (step.Handoff)
+        self.table_key = (rope_dim, tuple(freqs.tolist()))
 
     @classmethod
     def for_layer(cls, cfg: ModelConfig, compressed: bool) -> "Rotary":
@@ -58,12 +60,13 @@ class Rotary(nn.Module):
         angles = positions.to(self.freqs.device, torch.float32).unsqueeze(-1) * self.freqs
         return torch.polar(torch.ones_like(angles), angles)
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False,
+               phases: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate the last R features of x [B, T, (heads,) F] at positions [T] (every row) or [B, T];
-        fp32 math, x.dtype out."""
+        fp32 math, x.dtype out. `phases`: `self.phases(positions)` already computed."""
         if self.freqs.device.type == "meta" or x.device.type == "meta":
             return x
-        phases = self.phases(positions).to(x.device)
+        phases = (self.phases(positions) if phases is None else phases).to(x.device)
         if inverse:
             phases = phases.conj()
         lead = list(positions.shape) if positions.dim() == 2 else [1, positions.numel()]

@@ -123,6 +123,14 @@ class Handoff:
     selections: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)
     window_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    rope_phases: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def step_phases(self, rotary, step: Step) -> torch.Tensor:
+        """`rotary`'s phases at the step's positions, computed once per forward for every layer with the
+        same table (and reused by its query, key and output rotations)."""
+        if rotary.table_key not in self.rope_phases:
+            self.rope_phases[rotary.table_key] = rotary.phases(step.positions)
+        return self.rope_phases[rotary.table_key]
 
     def publish_selection(self, index_source: int, rows: torch.Tensor) -> None:
         """[N, k] compressed positions per token (−1: none), from the index source `index_source`."""
