@@ -135,15 +135,16 @@ def experts_by_formula(bank: RoutedExperts, x, weights, ids, limit):
 
 @pytest.mark.parametrize("kernels", ["blas", "invariant"])
 @pytest.mark.parametrize("partial", [False, True], ids=["all experts", "expert-parallel"])
-def test_the_in_place_expert_loop_equals_the_loop_it_replaces(kernels, partial):
+def test_the_in_place_expert_loop_equals_the_loop_it_replaces(kernels, partial, monkeypatch):
     numerics = Numerics("fast", kernels)
-    bank = init_random_(RoutedExperts(8, 64, 32, "fp4", 1.0, numerics=numerics, partial=partial), 4)
+    bank = init_random_(RoutedExperts(32, 64, 32, "fp4", 1.0, numerics=numerics, partial=partial), 4)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(5, 64, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(5)])
+    ids = torch.stack([torch.randperm(32, generator=g)[:3] for _ in range(5)])
     if partial:
-        ids[ids >= 6] = -1                                            # pairs another rank owns
+        ids[ids >= 24] = -1                                           # pairs another rank owns
     weights = torch.rand(5, 3, generator=g)
+    monkeypatch.setattr(bank, "_padded", lambda *a: pytest.fail("few busy experts ran padded"))
     with torch.no_grad():
         held = bank(x, weights, ids)                                 # in place: autograd records nothing
     bank.w1.weight.requires_grad_(True)
@@ -153,6 +154,36 @@ def test_the_in_place_expert_loop_equals_the_loop_it_replaces(kernels, partial):
     assert torch.equal(held, recorded.detach())
     expect = experts_by_formula(bank, x, weights, ids, 1.0)
     torch.testing.assert_close(held.double(), expect, rtol=0, atol=expect.abs().max().item() * 2 ** -7)
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["all experts", "expert-parallel"])
+def test_a_busy_bank_runs_padded_and_equals_the_loop(partial, monkeypatch):
+    bank = init_random_(RoutedExperts(8, 64, 32, "fp4", 1.0, numerics=Numerics("fast", "blas"), partial=partial), 8)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(16, 64, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(16)])   # 32 pairs, every expert busy
+    if partial:
+        ids[ids >= 6] = -1
+    weights = torch.rand(16, 2, generator=g)
+
+    def refused(*a):
+        raise AssertionError("the per-expert loop ran")
+
+    monkeypatch.setattr(bank, "_held", refused)
+    with torch.no_grad():
+        padded = bank(x, weights, ids)
+    monkeypatch.undo()
+    bank.w1.weight.requires_grad_(True)
+    with torch.enable_grad():
+        loop = bank(x, weights, ids).detach()
+    torch.testing.assert_close(padded, loop, rtol=2 ** -7, atol=1e-6)
+    expect = experts_by_formula(bank, x, weights, ids, 1.0)
+    torch.testing.assert_close(padded.double(), expect, rtol=0, atol=expect.abs().max().item() * 2 ** -7)
+    # one token's six pairs of a 32-expert bank stay in the loop: padding would read 32 experts for 6
+    few = init_random_(RoutedExperts(32, 64, 32, "fp4", 1.0, numerics=Numerics("fast", "blas")), 10)
+    monkeypatch.setattr(few, "_padded", lambda *a: refused())
+    with torch.no_grad():
+        few(x[:1], torch.rand(1, 6, generator=g), torch.randperm(32, generator=g)[:6].view(1, 6))
 
 
 # ------------------------------------------------------------------------------------------ RoPE phases

@@ -12,7 +12,9 @@ numerics policy's `experts` choice:
   and a decode step reads only its chosen experts' weights, in place. Quantised experts under
   invariant kernels run a call with no more pairs than experts (a decode step) as one batched GEMM per
   projection over the pairs' gathered stored bytes instead: exact block sums give the same bits
-  (docs/NUMERICS.md N7);
+  (docs/NUMERICS.md N7). Weights held dequantised (fast numerics) run outside autograd with every
+  product written in place and one SwiGLU over all pairs; under BLAS kernels a bank whose experts are
+  nearly all busy (a batch of decode rows) runs as one zero-padded batched product per projection;
 - "grouped" (fast numerics on accelerators): one grouped GEMM per projection over the pairs sorted by
   expert, with group offsets on the device (no per-expert host synchronisation, STYLE.md P7).
 """
@@ -30,6 +32,12 @@ from ..parallel.context import ParallelContext
 
 # Routing weights are normalised with their own constant, not norm_eps (§13, trap 3).
 ROUTE_NORM_EPS = 1e-20
+# Held weights under BLAS kernels: the bank runs as one padded batched product per projection when
+# E experts × the busiest expert's rows are at most this many rows per (token, expert) pair, and no
+# expert has more rows than PADDED_MOST_ROWS (beyond, the per-call cost is amortised and the padding
+# costs more: a 128-token prefill ran 1.1–1.2× slower padded).
+PADDED_ROWS_PER_PAIR = 4
+PADDED_MOST_ROWS = 16
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float, *,
@@ -160,6 +168,10 @@ class RoutedExperts(nn.Module):
         ends = torch.bincount(expert, minlength=self.n_experts).cumsum(0).tolist()[:self.n_experts]
         spans = [(e, start, end) for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)) if end > start]
         if self.w1.scale is None and not self._recording(x):
+            most = max(end - start for _, start, end in spans)
+            busy = self.n_experts * most <= PADDED_ROWS_PER_PAIR * x.shape[0]
+            if not self.numerics.invariant and busy and most <= PADDED_MOST_ROWS:
+                return self._padded(x, spans, w, most)
             return self._held(x, spans, w)
         out = x.new_zeros(x.shape[0], self.w2.out_features)
         for e, start, end in spans:
@@ -191,6 +203,27 @@ class RoutedExperts(nn.Module):
         for e, start, end in spans:
             self.numerics.matmul_into(h[start:end], w2[e], out[start:end])
         return out
+
+    def _padded(self, x: torch.Tensor, spans: list[tuple[int, int, int]], w: torch.Tensor, most: int) -> torch.Tensor:
+        """Most experts busy (a batch of decode rows): every expert's rows padded with zeros to `most`,
+        and one batched product per projection over the whole bank, read in place. Each BLAS call costs
+        ~20 µs beyond its arithmetic on the CPU, so E experts × 3 calls cost more than three products
+        over E · most rows (at most PADDED_ROWS_PER_PAIR per pair). Rows of the EP sentinel expert
+        (past the spans) go to a scratch row and read back expert 0's first row, which the caller masks."""
+        E, P, R = self.n_experts, x.shape[0], most
+        scatter = [E * R] * P
+        for e, start, end in spans:
+            scatter[start:end] = range(e * R, e * R + end - start)
+        into = torch.tensor(scatter, device=x.device)
+        back = into.clamp(max=E * R - 1)
+
+        def project(rows: torch.Tensor, bank: StackedWeight) -> torch.Tensor:
+            padded = rows.new_zeros(E * R + 1, rows.shape[1]).index_copy_(0, into, rows)
+            return torch.bmm(padded[:E * R].view(E, R, -1), bank.weight.transpose(1, 2)).flatten(0, 1)[back]
+
+        x = x.to(self.w1.weight.dtype)
+        h = self._finish(project(x, self.w1), project(x, self.w3), w, x.dtype)
+        return project(h, self.w2)
 
     def _pairs(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Few pairs (a decode step): every pair at once through its expert's gathered bytes, instead of
