@@ -179,6 +179,10 @@ def test_a_busy_bank_runs_padded_and_equals_the_loop(partial, monkeypatch):
     torch.testing.assert_close(padded, loop, rtol=2 ** -7, atol=1e-6)
     expect = experts_by_formula(bank, x, weights, ids, 1.0)
     torch.testing.assert_close(padded.double(), expect, rtol=0, atol=expect.abs().max().item() * 2 ** -7)
+    # a rank that owns none of the pairs gives zeros, held or not
+    for grad in (False, True) if partial else ():
+        with torch.set_grad_enabled(grad):
+            assert torch.equal(bank(x[:1], weights[:1], torch.tensor([[-1, -1]])), torch.zeros(1, 64))
     # one token's six pairs of a 32-expert bank stay in the loop: padding would read 32 experts for 6
     few = init_random_(RoutedExperts(32, 64, 32, "fp4", 1.0, numerics=Numerics("fast", "blas")), 10)
     monkeypatch.setattr(few, "_padded", lambda *a: refused())

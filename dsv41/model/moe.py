@@ -167,6 +167,8 @@ class RoutedExperts(nn.Module):
         the reference's expert loop does (a matmul per pair sums differently: docs/NUMERICS.md N7)."""
         ends = torch.bincount(expert, minlength=self.n_experts).cumsum(0).tolist()[:self.n_experts]
         spans = [(e, start, end) for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)) if end > start]
+        if not spans:                                   # expert parallelism: no pair is this rank's
+            return x.new_zeros(x.shape[0], self.w2.out_features)
         if self.w1.scale is None and not self._recording(x):
             most = max(end - start for _, start, end in spans)
             busy = self.n_experts * most <= PADDED_ROWS_PER_PAIR * x.shape[0]
