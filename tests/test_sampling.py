@@ -115,6 +115,20 @@ def test_repetition_penalty_rejects_out_of_vocab_history():
         probabilities(torch.zeros(1, 4), SamplingParams(repetition_penalty=1.2), [[4]])
 
 
+def test_logit_bias_is_added_to_the_logits_after_the_penalty_and_before_temperature():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    params = SamplingParams(temperature=0.5, repetition_penalty=2.0, logit_bias=((1, 4.0), (3, -1.5)))
+    # by hand: token 3 was seen (3 / 2 = 1.5), then the biases, then / 0.5, in float64
+    expected = torch.tensor([[2.0, 3.0, 0.5, 0.0, -2.0]], dtype=torch.float64) / 0.5
+    got = probabilities(logits, params, [[3]])
+    torch.testing.assert_close(got.double(), torch.softmax(expected, dim=-1), rtol=1e-6, atol=1e-7)
+    assert logits.tolist() == [[2.0, -1.0, 0.5, 3.0, -2.0]]                 # the caller's logits are kept
+    assert sample(logits, SamplingParams(temperature=0.0, logit_bias=((4, 100.0),)), None).tolist() == [4]
+    assert sample(logits, SamplingParams(temperature=0.0, logit_bias=((3, -100.0),)), None).tolist() == [0]
+    with pytest.raises(ValueError, match="logit_bias names token 5; the vocabulary has 5"):
+        probabilities(logits, SamplingParams(logit_bias=((5, 1.0),)))
+
+
 def test_same_seed_same_tokens_and_different_seed_differs():
     flat = torch.zeros(64, 1000)
     params = SamplingParams()
@@ -163,6 +177,8 @@ def test_empirical_frequencies_match(params):
     ("top_p", 0.0), ("top_p", 1.5),
     ("min_p", -0.1), ("min_p", 1.1),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
+    ("logit_bias", ((1, 100.5),)), ("logit_bias", ((-1, 0.0),)), ("logit_bias", ((1, 1.0), (1, 2.0))),
+    ("logit_bias", [(1, 1.0)]), ("logit_bias", ((True, 1.0),)), ("logit_bias", ((1, float("nan")),)),
 ])
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):

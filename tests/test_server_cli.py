@@ -37,7 +37,8 @@ def test_serve_answers_and_drains_a_running_stream_on_ctrl_c(demo_dir):
             time.sleep(0.1)
         assert httpx2.get(url + "/v1/models").json()["data"][0]["id"] == demo_dir.name
         body = {"model": demo_dir.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
-                "stream": True, "thinking": {"type": "disabled"}}
+                "stream": True, "thinking": {"type": "disabled"},
+                "ignore_eos": True}                                   # the random model may sample EOS early
         with httpx2.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data:")

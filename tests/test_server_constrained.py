@@ -102,6 +102,8 @@ def test_a_hundred_seeded_constrained_requests_all_parse_and_validate(start_serv
 SPECULATION_CASES = {
     "chat": dict(messages=[{"role": "user", "content": "Tell me about Paris."}], max_tokens=40, extra_body=OFF),
     "thinking": dict(messages=[{"role": "user", "content": "Why is the sky blue?"}], max_tokens=40),
+    "logit bias": dict(messages=[{"role": "user", "content": "Tell me about Paris."}], max_tokens=24, extra_body=OFF,
+                       logit_bias={str(t): 6 for t in range(300, 340)}),
     "tool call": dict(messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS[:2], tool_choice="required",
                       max_tokens=200, extra_body=OFF),
     "tool call after reasoning": dict(messages=[{"role": "user", "content": "Add 2 and 3."}], tools=TOOLS[1:],
@@ -135,6 +137,7 @@ def test_speculation_never_changes_a_greedy_answer_tool_calls_and_json_included(
     speculative = greedy_answers(live_speculative.url)
     assert speculative == plain
     assert plain["tool call"][2] and plain["tool call after reasoning"][2] and json.loads(plain["json"][1])
+    assert not plain["chat"][1].startswith(plain["logit bias"][1])          # the bias did move the answer
     assert accepted_drafts(live_speculative) > before            # the drafts did get accepted
 
 

@@ -40,6 +40,11 @@ def openai_error(response, status: int) -> dict:
     ({"model": "demo", "messages": HELLO, "response_format": {"type": "json_schema"}}, "response_format.json_schema",
      "needs a json_schema"),
     ({"model": "demo", "messages": HELLO, "response_format": {"type": "json_object"}}, "response_format", "json"),
+    ({"model": "demo", "messages": HELLO, "logit_bias": {"1": 101}}, "logit_bias", "token 1 has 101"),
+    ({"model": "demo", "messages": HELLO, "logit_bias": {"-3": 1}}, "logit_bias", "got '-3'"),
+    ({"model": "demo", "messages": HELLO, "logit_bias": {"99999999": 1}}, "logit_bias", "below the vocabulary"),
+    ({"model": "demo", "messages": HELLO, "ignore_eos": True, "response_format": {"type": "json_schema",
+      "json_schema": {"name": "x", "schema": {"type": "object"}}}}, "ignore_eos", "grammar ends the answer"),
 ])
 def test_a_malformed_or_meaningless_chat_request_is_a_400_naming_the_field(live, body, param, words):
     error = openai_error(post(live, "/v1/chat/completions", body), 400)

@@ -169,6 +169,28 @@ def test_echo_logprobs_equal_dsv41_score(client, demo_dir, capsys):
         assert 1 <= len(top) <= 2 and max(top.values()) >= logprob
 
 
+def test_logit_bias_moves_the_engines_choice_and_ignore_eos_runs_past_eos(client, server_model):
+    """A +100 bias on EOS ends the answer at its first token; with `ignore_eos` the same answer runs to
+    max_tokens. A -100 bias on greedy's first token gives the engine's greedy answer with that token
+    banned (the engine run directly, `SamplingParams.logit_bias`)."""
+    model, tokenizer = server_model
+    eos = {str(tokenizer.eos_id): 100}
+    kwargs = dict(model="demo", messages=HELLO, max_tokens=6, temperature=1.0, seed=3)
+    ended = client.chat.completions.create(**kwargs, logit_bias=eos, extra_body=OFF)
+    assert (ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("stop", 1)
+    on = client.chat.completions.create(**kwargs, logit_bias=eos, extra_body={**OFF, "ignore_eos": True})
+    assert (on.choices[0].finish_reason, on.usage.completion_tokens) == ("length", 6)
+
+    ids = [tokenizer.bos_id] + tokenizer.encode("Once upon a time")
+    first = engine_greedy(server_model, ids, 1).token_ids[0]
+    engine = Engine(model, tokenizer, EngineConfig(n_slots=1, max_context=512))
+    engine.submit(Request(tuple(ids), max_new_tokens=4, sampling=SamplingParams(0.0, logit_bias=((first, -100.0),))))
+    [banned] = [e.completion for e in engine.run() if e.completion is not None]
+    r = client.completions.create(model="demo", prompt=ids, max_tokens=4, temperature=0,
+                                  logit_bias={str(first): -100})
+    assert banned.token_ids[0] != first and r.choices[0].text == banned.text
+
+
 def test_raw_completions_continue_the_prompt_ids(client, server_model):
     """Token-id prompts go in as given; text prompts get BOS first; several prompts give one choice
     each (n per prompt), indexed prompt by prompt."""

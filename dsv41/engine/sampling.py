@@ -2,7 +2,7 @@
 
 Shape legend: B batch rows, V vocabulary, L previous-token positions.
 
-Order of transforms: repetition penalty -> temperature -> top-k -> top-p -> min-p -> draw.
+Order of transforms: repetition penalty -> logit bias -> temperature -> top-k -> top-p -> min-p -> draw.
 `probabilities` returns the final distribution so the speculative decoder can use the same
 p_t / p_d (docs/GENERATION-AND-DSPARK.md §3); `sample` draws from it. Nothing here touches the global
 RNG.
@@ -33,6 +33,14 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _is_bias_pair(pair: object) -> bool:
+    if not (isinstance(pair, tuple) and len(pair) == 2):
+        return False
+    token, bias = pair
+    return isinstance(token, int) and not isinstance(token, bool) and token >= 0 and _is_real(bias) \
+        and -100 <= bias <= 100
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -40,6 +48,8 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # 1 = off; CTRL-style (Keskar et al. 2019)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, added to its logit) pairs, OpenAI's `logit_bias`: ±100 bans or forces a token."""
 
     def __post_init__(self) -> None:
         t, k, p, m, r = (self.temperature, self.top_k, self.top_p, self.min_p,
@@ -50,6 +60,10 @@ class SamplingParams:
         _require(_is_real(p) and 0 < p <= 1, "top_p", "in (0, 1]", p)
         _require(_is_real(m) and 0 <= m <= 1, "min_p", "in [0, 1]", m)
         _require(_is_real(r) and r > 0, "repetition_penalty", "a finite number > 0", r)
+        bias = self.logit_bias
+        _require(isinstance(bias, tuple) and all(_is_bias_pair(pair) for pair in bias), "logit_bias",
+                 "(token id >= 0, bias in [-100, 100]) pairs", bias)
+        _require(len({i for i, _ in bias}) == len(bias), "logit_bias", "pairs with distinct token ids", bias)
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +108,18 @@ def apply_repetition_penalty(logits_BV: torch.Tensor, previous_tokens: PreviousT
     seen_BV = seen_token_mask(previous_tokens, batch, vocab, logits_BV.device)
     penalised_BV = torch.where(logits_BV > 0, logits_BV / penalty, logits_BV * penalty)
     return torch.where(seen_BV, penalised_BV, logits_BV)
+
+
+def apply_logit_bias(logits_BV: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """Add each pair's bias to its token's logit (a new tensor; the model's logits stay as they were)."""
+    if not bias:
+        return logits_BV
+    ids = [i for i, _ in bias]
+    if max(ids) >= logits_BV.shape[-1]:
+        raise InputError(f"logit_bias names token {max(ids)}; the vocabulary has {logits_BV.shape[-1]} tokens")
+    out_BV = logits_BV.clone()
+    out_BV[:, ids] += torch.tensor([b for _, b in bias], dtype=out_BV.dtype, device=out_BV.device)
+    return out_BV
 
 
 def _mask_top_k(logits_BV: torch.Tensor, k: int) -> torch.Tensor:
@@ -147,6 +173,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams,
     """[B, V] fp32 distribution after every transform; one-hot at the argmax when greedy."""
     logits_BV = apply_repetition_penalty(_as_logits(logits), previous_tokens,
                                          params.repetition_penalty)
+    logits_BV = apply_logit_bias(logits_BV, params.logit_bias)
     if params.greedy:
         return _one_hot_argmax(logits_BV)
     logits_BV = _mask_top_k(logits_BV / params.temperature, params.top_k)

@@ -41,10 +41,23 @@ def event_stream(events, state: ServerState) -> EventSourceResponse:
     return EventSourceResponse(events, ping=PING_S, shutdown_grace_period=state.config.drain_timeout_s)
 
 
-def sampling_of(body) -> SamplingParams:
+def logit_bias_of(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not (key.isdigit() and int(key) < vocab):
+            raise RequestError(f"logit_bias keys are token ids below the vocabulary of {vocab}; got {key!r}",
+                               "logit_bias")
+        if not -100 <= value <= 100:
+            raise RequestError(f"logit_bias values are in [-100, 100]; token {key} has {value}", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
+def sampling_of(body, vocab: int) -> SamplingParams:
+    bias = logit_bias_of(body.logit_bias, vocab)
     try:
         return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                              min_p=body.min_p, repetition_penalty=body.repetition_penalty)
+                              min_p=body.min_p, repetition_penalty=body.repetition_penalty, logit_bias=bias)
     except ValueError as e:
         raise RequestError(str(e)) from None
 
@@ -107,8 +120,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
     plan = openai_chat_plan(body)
     prompt = state.encode_prompt(plan.text)
-    gen = Generation(max_tokens=body.max_completion_tokens or body.max_tokens, sampling=sampling_of(body),
-                     stop=stop_strings(body.stop), seed=body.seed, n=body.n,
+    gen = Generation(max_tokens=body.max_completion_tokens or body.max_tokens,
+                     sampling=sampling_of(body, state.tokenizer.vocab_size),
+                     stop=stop_strings(body.stop), seed=body.seed, n=body.n, ignore_eos=body.ignore_eos,
                      logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     run = start(state, plan, prompt, gen, "chatcmpl-")
     head = {"id": run.id, "created": int(time.time()), "model": state.config.model_name}
@@ -189,8 +203,10 @@ async def completions(body: CompletionRequest, request: Request):
     if scoring and body.stream:
         raise RequestError("echo with logprobs (prompt log-probabilities) is answered whole; send stream: false",
                            "stream")
-    gen = Generation(max_tokens=body.max_tokens, sampling=sampling_of(body), stop=stop_strings(body.stop),
-                     seed=body.seed, n=body.n, logprobs=body.logprobs, prompt_logits=scoring)
+    gen = Generation(max_tokens=body.max_tokens, sampling=sampling_of(body, state.tokenizer.vocab_size),
+                     stop=stop_strings(body.stop),
+                     seed=body.seed, n=body.n, logprobs=body.logprobs, prompt_logits=scoring,
+                     ignore_eos=body.ignore_eos)
     runs: list[Run | None] = []
     try:
         for ids, _ in prompts:

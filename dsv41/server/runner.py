@@ -128,6 +128,7 @@ class Generation:
     n: int = 1
     logprobs: int | None = None
     prompt_logits: bool = False
+    ignore_eos: bool = False
 
 
 def start(state, plan: PromptPlan | None, prompt: list[int], gen: Generation, prefix: str) -> Run:
@@ -146,6 +147,9 @@ def start(state, plan: PromptPlan | None, prompt: list[int], gen: Generation, pr
     if len(prompt) + max_tokens > context and not (gen.prompt_logits and max_tokens == 0):
         raise RequestError(f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: together "
                            f"{len(prompt) + max_tokens}, more than the context of {context} tokens", "max_tokens")
+    if gen.ignore_eos and plan is not None and (plan.forced_tools is not None or plan.json_schema is not None):
+        raise RequestError("ignore_eos cannot be combined with response_format or a required tool call: their "
+                           "grammar ends the answer with EOS", "ignore_eos")
     think_end = tokenizer.token_to_id("</think>")
     thinking = plan is not None and plan.thinking
     requests = []
@@ -154,7 +158,7 @@ def start(state, plan: PromptPlan | None, prompt: list[int], gen: Generation, pr
             requests.append(Request(tuple(prompt), max_new_tokens=max_tokens, sampling=gen.sampling,
                                     stop_strings=gen.stop, seed=None if gen.seed is None else gen.seed + i,
                                     constraint=_constraint(factory, plan, max_tokens), logprobs=gen.logprobs,
-                                    prompt_logits=gen.prompt_logits, images=spans))
+                                    prompt_logits=gen.prompt_logits, images=spans, ignore_eos=gen.ignore_eos))
         except RequestError:
             raise
         except ValueError as e:

@@ -93,6 +93,10 @@ class Sampling(Body):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string) → a bias in [-100, 100] added to its logit before sampling."""
+    ignore_eos: bool = False
+    """vLLM's extension: EOS does not end the answer; it runs to `max_tokens` or a stop string."""
 
 
 class ChatCompletionRequest(Sampling):
