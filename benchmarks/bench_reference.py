@@ -153,7 +153,10 @@ def main() -> None:
     contenders = [reference_contender(module, model, max_len), invariant,
                   dsv41_contender("dsv41 reference/blas", cfg, 0, max_len, kernels="blas")[0]]
     fast, fast_model = dsv41_contender("dsv41 fast (bf16)", cfg, 0, max_len, numerics="fast")
-    contenders.append(fast)
+    # fp32 weights: twice the bytes, but on CPUs where torch's bf16 GEMM (oneDNN) runs slower than its
+    # fp32 one, the faster of the two (README, "How the numerics compute")
+    fast32, fast32_model = dsv41_contender("dsv41 fast (fp32)", cfg, 0, max_len, numerics="fast", dtype="float32")
+    contenders += [fast, fast32]
     ids = torch.randint(0, cfg.vocab_size, (1, args.prefill + args.decode), generator=torch.Generator().manual_seed(1))
     params = sum(p.numel() for p in model.parameters())
     print(f"dim {cfg.dim}, {cfg.n_layers} layers, top-{cfg.n_activated_experts} of {cfg.n_routed_experts} experts, "
@@ -168,12 +171,13 @@ def main() -> None:
     for c in contenders:
         tps, ms = args.prefill / statistics.median(c.prefill_s), statistics.median(c.step_s) * 1e3
         print(f"{c.name:<26} {tps:>13.1f} {ms:>10.2f} {tps / base_tps:>9.2f}x {base_ms / ms:>8.2f}x")
-    gb_s, need = bandwidth_gb_s(), decode_weight_bytes(fast_model)
-    floor_ms = need / gb_s / 1e6
-    fast_ms = statistics.median(fast.step_s) * 1e3
-    print(f"memory: {gb_s:.1f} GB/s (copy); a fast decode step reads {need / 1e6:.1f} MB of weights, floor "
-          f"{floor_ms:.2f} ms: fast decode runs at {100 * floor_ms / fast_ms:.0f}% of it")
-    for name, m in (("fast", fast_model), ("reference/invariant", model)):
+    gb_s = bandwidth_gb_s()
+    for c, m in ((fast, fast_model), (fast32, fast32_model)):
+        need = decode_weight_bytes(m)
+        floor_ms = need / gb_s / 1e6
+        print(f"memory: {gb_s:.1f} GB/s (copy); a {c.name} decode step reads {need / 1e6:.1f} MB of weights, "
+              f"floor {floor_ms:.2f} ms: it runs at {100 * floor_ms / (statistics.median(c.step_s) * 1e3):.0f}% of it")
+    for name, m in (("fast (bf16)", fast_model), ("fast (fp32)", fast32_model), ("reference/invariant", model)):
         one_ms, scale = batch_speedup(m, args.prefill, args.decode)
         print(f"{name} decode batch {BATCH}: {scale:.2f}x the tokens/s of batch 1 ({one_ms:.2f} ms per batch-1 step)")
 

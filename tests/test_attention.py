@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dsv41.model import formats
+from dsv41.model import attention
 from dsv41.model.attention import sparse_attention, window_indices
 from dsv41.model.cache import SourceState
 from dsv41.model.compressor import Compressor
@@ -132,13 +133,34 @@ def attention_inputs():
     return q, pool, rows, sink, Dh ** -0.5
 
 
-def test_sparse_attention_matches_dense_oracle(attention_inputs):
+@pytest.mark.parametrize("listed", [150, 30], ids=["pool scored whole", "rows gathered"])
+def test_sparse_attention_matches_dense_oracle(attention_inputs, listed, monkeypatch):
+    """Fast numerics score a pool of 200 rows whole for a list of 150 (at most POOL_SCORES_FACTOR
+    times as long) and gather a list of 30; blocks of 64 without rounding under invariant kernels."""
     q, pool, rows, sink, scale = attention_inputs
-    for numerics in (FAST, Numerics("fast", "invariant")):        # one softmax; blocks of 64 without rounding
+    rows = rows[..., :listed]
+    whole = []
+    original = attention._attend_pool
+    monkeypatch.setattr(attention, "_attend_pool", lambda *a: whole.append(1) or original(*a))
+    for numerics in (FAST, Numerics("fast", "invariant")):
         got = sparse_attention(q, pool, rows, sink, scale, numerics)
         expect = dense_attention_oracle(q, pool, rows, sink, scale)
         torch.testing.assert_close(got.double(), expect, rtol=0, atol=1e-5)
         assert torch.equal(got[0, 2], torch.zeros_like(got[0, 2]))
+    assert len(whole) == (listed == 150)
+
+
+def test_scoring_the_pool_whole_equals_gathering_the_rows_a_twice_listed_row_included(attention_inputs,
+                                                                                     monkeypatch):
+    q, pool, rows, sink, scale = attention_inputs
+    rows = rows.clone()
+    rows[1, 3, -1] = rows[1, 3, 0] = 7
+    whole = sparse_attention(q, pool, rows, sink, scale, FAST)
+    monkeypatch.setattr(attention, "POOL_SCORES_FACTOR", 0)
+    gathered = sparse_attention(q, pool, rows, sink, scale, FAST)
+    torch.testing.assert_close(whole, gathered, rtol=0, atol=1e-6)
+    rows[1, 3, -1] = -1
+    assert not torch.allclose(sparse_attention(q, pool, rows, sink, scale, FAST)[1, 3], gathered[1, 3], atol=1e-4)
 
 
 @pytest.mark.parametrize("numerics", [REF_BLAS, REF_INVARIANT], ids=["blas", "invariant"])
@@ -547,3 +569,38 @@ def test_sparse_attention_released_head_width():
     got = sparse_attention(q, pool, rows, sink, 512 ** -0.5, FAST)
     expect = dense_attention_oracle(q, pool, rows, sink, 512 ** -0.5)
     torch.testing.assert_close(got.double(), expect, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ batched compression
+@pytest.mark.parametrize("numerics, kernels, together", [
+    ("fast", "blas", True), ("fast", "invariant", True), ("reference", "invariant", True),
+    ("reference", "blas", False)])
+def test_a_batched_step_compresses_its_rows_in_one_projection_unless_rows_run_alone(numerics, kernels, together,
+                                                                                    monkeypatch):
+    """A 3-row decode step projects its rows' latents in one call per kv source, except under reference
+    numerics with BLAS kernels (`Numerics.rows_alone`: the reference's one-row shapes). Either way each
+    row's compressed rows equal those of the row run alone: bit for bit under exact-sum kernels, within
+    fp32 rounding under fast BLAS numerics, whose batched products sum in another order."""
+    cfg = helpers.without_dspark(helpers.binding_config())
+    model = helpers.build(cfg, numerics, kernels=kernels)
+    ids = helpers.token_ids(3, 13)
+    batched, alone = model.new_cache(3), [model.new_cache(1) for _ in range(3)]
+    with torch.no_grad():
+        model(ids[:, :12], 0, batched)
+        for b, cache in enumerate(alone):
+            model(ids[b:b + 1, :12], 0, cache)
+        calls = []
+        original = Compressor.project
+        monkeypatch.setattr(Compressor, "project", lambda self, x: calls.append(x.shape[0]) or original(self, x))
+        model(ids[:, 12:13], 12, batched)
+        assert calls == ([3] if together else [1, 1, 1]) * len(cfg.kv_source_layers)
+        for b, cache in enumerate(alone):
+            model(ids[b:b + 1, 12:13], 12, cache)
+    for layer in cfg.kv_source_layers:
+        rows = 13 // cfg.compress_ratios[layer]
+        for b, cache in enumerate(alone):
+            got, want = batched.sources[layer].kv[b, :rows], cache.sources[layer].kv[0, :rows]
+            if kernels == "invariant":
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -133,6 +133,14 @@ class Numerics:
         return self.quantized or self.invariant
 
     @property
+    def rows_alone(self) -> bool:
+        """Under reference numerics with BLAS kernels, a batched call's compressor runs each row's
+        products at the shapes of that row alone, as the reference's one-row calls do (N1). Exact-sum
+        kernels give a row its solo bits at any shape, and fast BLAS numerics keep no bits, so both
+        run a call's rows together."""
+        return self.quantized and not self.invariant
+
+    @property
     def attention_block(self) -> int | None:
         """Indices per online-softmax block; None = one exact softmax over the whole list."""
         return ATTENTION_BLOCK if self.quantized or self.invariant else None
