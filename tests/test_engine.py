@@ -90,6 +90,18 @@ def test_requests_wait_for_a_free_slot_and_take_it_when_one_leaves(tok):
     assert max(len(call) for call in mock.calls) == 2                   # never more rows than slots
 
 
+def test_a_logit_bias_past_the_vocabulary_is_refused_at_submit_and_running_rows_go_on(tok):
+    engine = Engine(SuccessorModel(tok.vocab_size), tok, EngineConfig(n_slots=2, prefix_cache=0))
+    engine.submit(Request((10,), max_new_tokens=3, sampling=GREEDY))
+    engine.step()
+    bad = SamplingParams(temperature=0.0, logit_bias=((tok.vocab_size, 5.0),))
+    with pytest.raises(ValueError, match=f"logit_bias names token {tok.vocab_size}; the vocabulary has"):
+        engine.submit(Request((20,), max_new_tokens=3, sampling=bad))
+    forced = SamplingParams(temperature=0.0, logit_bias=((7, 100.0),))
+    engine.submit(Request((30,), max_new_tokens=2, sampling=forced))
+    assert [c.token_ids for c in completions(engine)] == [[11, 12, 13], [7, 7]]
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_beside_decoding_rows(tok):
     mock = SuccessorModel(tok.vocab_size)
     engine = Engine(mock, tok, EngineConfig(n_slots=2, token_budget=8, prefill_chunk=8, prefix_cache=0))

@@ -102,6 +102,9 @@ class Engine:
             raise InputError("speculative decoding needs DSpark stages and an engine built with speculative=True")
         if speculative and request.sampling.repetition_penalty != 1.0:
             raise InputError("speculative decoding does not support a repetition penalty")
+        biased = [t for t, _ in request.sampling.logit_bias if t >= self.vocab_limit]
+        if biased:                                 # here, not in a step that samples other rows too
+            raise InputError(f"logit_bias names token {biased[0]}; the vocabulary has {self.vocab_limit} tokens")
         rid, self._next_id = self._next_id, self._next_id + 1
         seed = request.seed if request.seed is not None else self.config.seed + rid
         generator = torch.Generator(device=self.model.device).manual_seed(seed)
