@@ -204,9 +204,8 @@ async def completions(body: CompletionRequest, request: Request):
         raise RequestError("echo with logprobs (prompt log-probabilities) is answered whole; send stream: false",
                            "stream")
     gen = Generation(max_tokens=body.max_tokens, sampling=sampling_of(body, state.tokenizer.vocab_size),
-                     stop=stop_strings(body.stop),
-                     seed=body.seed, n=body.n, logprobs=body.logprobs, prompt_logits=scoring,
-                     ignore_eos=body.ignore_eos)
+                     stop=stop_strings(body.stop), seed=body.seed, n=body.n, logprobs=body.logprobs,
+                     prompt_logits=scoring, ignore_eos=body.ignore_eos)
     runs: list[Run | None] = []
     try:
         for ids, _ in prompts:
