@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import os
-import platform
 import pty
 import select
 import signal
@@ -343,10 +342,6 @@ print("CHAT ENDED", flush=True)
 """
 
 
-# the system calls readline waits for a key in: poll, select, pselect6, ppoll (x86-64); pselect6, ppoll
-WAITING_SYSCALLS = {"x86_64": {"7", "23", "270", "271"}, "aarch64": {"72", "73"}}
-
-
 class Child:
     """A process on a pseudo-terminal (its controlling terminal: ^C there is SIGINT)."""
 
@@ -382,29 +377,6 @@ class Child:
 
     def send(self, data: bytes) -> None:
         os.write(self.fd, data)
-
-    def wait_reading(self, timeout: float = 30.0) -> None:
-        """Until the child's main thread sleeps in select / poll (readline waiting for a key). A ^C sent
-        while readline is still handling the previous key is only acted on at the next key (its select
-        starts after the signal), so a test that sends one waits for this first. Where /proc does not
-        show the system call, a pause instead."""
-        waiting = WAITING_SYSCALLS.get(platform.machine())
-        if waiting is None:
-            time.sleep(0.3)
-            return
-        deadline, seen = time.monotonic() + timeout, 0
-        while time.monotonic() < deadline:
-            try:
-                with open(f"/proc/{self.pid}/syscall") as f:
-                    call = f.read().split()[0]
-            except (OSError, IndexError):
-                time.sleep(0.3)
-                return
-            seen = seen + 1 if call in waiting else 0
-            if seen == 3:                                   # still there after 100 ms
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"the chat never waited for a key; the terminal shows:\n{self.seen.decode(errors='replace')}")
 
     def wait(self, timeout: float = 30.0) -> int:
         deadline = time.monotonic() + timeout
@@ -449,7 +421,8 @@ def test_readline_prompt_ctrl_c_ctrl_d_and_history_across_sessions(run_child, tm
     child.expect(b">>> ")
     child.send(b"dropped")
     child.expect(b"dropped")
-    child.wait_reading()
+    # (a key's echo is written before readline is back waiting: a ^C right then is seen with the next key)
+    time.sleep(0.3)
     child.send(b"\x03")                                 # Ctrl-C at the prompt: the line goes, a new prompt
     child.expect(b">>> ")
     child.send(b"hello\rzzz")                           # zzz: typed while the reply is generated
