@@ -7,7 +7,8 @@ compressed positions when a chunk's full width does not fit (indexer.py, `indexe
 (a) Bits: on the binding config (top-4 positions, 2 candidate blocks, exact ties), the model's logits,
     index selections and candidate masks are bit-identical with a 1-row budget, an odd-sized-chunk
     budget and the default, in all four numerics × kernels combinations, for a one-shot prefill and
-    for a prefill followed by decode steps; an indexer over C = 5000 positions gives the same scores,
+    for a prefill followed by decode steps, and so is every query row's score except under fast numerics
+    with BLAS kernels, whose sums take the call's shape; an indexer over C = 5000 positions gives the same scores,
     blocks and positions with its logits cut in column tiles as in one piece.
 (b) Memory: `indexer_tiling` against a brute-force search and a term-by-term formula; an allocation
     tracker (a TorchDispatchMode that follows every new storage until it is freed) measures the largest
@@ -183,8 +184,12 @@ def test_model_logits_bit_equal_whatever_the_budget(binding_model, pattern, monk
         assert len(record.selections) == len(ref.selections)
         assert all(torch.equal(a, b) for a, b in zip(record.selections, ref.selections))
         assert all(torch.equal(a, b) for a, b in zip(record.candidates, ref.candidates))
-        # every query row's scores, whichever chunk (or batch of call rows) scored it
-        assert query_rows(record.chunks) == query_rows(ref.chunks)
+        # every query row's scores, whichever chunk (or batch of call rows) scored it, where the sums
+        # do not take the call's shape: exact-sum kernels, or reference numerics' bf16 rounding. Fast
+        # BLAS numerics keep no bits across call shapes (NUMERICS.md N1): on an AVX2-only CPU a row's
+        # fp32 scores moved with the chunk's row count, though its selections did not.
+        if model.numerics.reference_order:
+            assert query_rows(record.chunks) == query_rows(ref.chunks)
 
 
 def query_rows(chunks) -> list[tuple[int, bytes]]:

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv41.model import formats
-from dsv41.model.layers import block_operands, quantized_linear
+from dsv41.model import formats, numerics
+from dsv41.model.layers import block_scales, quantized_linear
 from dsv41.model.numerics import Numerics
 from dsv41.model.topk import ordered_keys, topk
 
@@ -68,7 +68,8 @@ def blockwise_formula(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, s
     """§6.3 step by step: fp8 activations per 32; per K block the exact partial sum (float64 holds it
     exactly) rounded to fp32, times both power-of-two scales, added in K order to an fp32 accumulator."""
     q, q_scale = formats.fp8_act_quant(x.float())
-    values, scale_rows = block_operands(w, w_scale, storage, w.shape[0])
+    values = formats.decode_bytes(w, "e2m1x2" if storage == "fp4" else "e4m3")
+    scale_rows = block_scales(w_scale, storage, w.shape[0])
     M, K, N = q.shape[0], q.shape[1], values.shape[0]
     out = torch.zeros(M, N)
     for m in range(M):
@@ -103,6 +104,28 @@ def test_quantised_linear_is_the_blockwise_formula(quantised, storage):
     assert ((blas - expect.float()).abs() <= expect.float().abs() * 2 ** -7).all()
 
 
+@pytest.mark.parametrize("storage", ["fp8", "fp4"])
+def test_quantised_linear_decoded_in_pieces_is_the_formula(quantised, storage, monkeypatch):
+    """The invariant GEMM decodes the weight piece by piece (40 rows of 64 values, uneven against 96)
+    and sums the blocks in K chunks of 3: the same bits as the formula, for one row and for several."""
+    x, weights = quantised
+    w, s = weights[storage]
+    expect = blockwise_formula(x, w, s, storage)
+    monkeypatch.setattr(numerics, "DECODE_CHUNK_ELEMENTS", 40 * 64)
+    monkeypatch.setattr(numerics, "BLOCK_PARTIALS_ELEMENTS", 3 * 9 * 96)
+    for rows in (1, 9):
+        assert torch.equal(quantized_linear(x[:rows], w, s, storage, 96, INVARIANT), expect[:rows])
+
+
+def test_invariant_linear_in_pieces_is_one_rounding(monkeypatch):
+    """A float64 weight copy too large for one piece is taken in pieces of rows: each output still
+    the float64 product rounded once (the head, 129280 rows in the release)."""
+    g = torch.Generator().manual_seed(8)
+    x, w = torch.randn(3, 64, generator=g), torch.randn(100, 64, generator=g)
+    monkeypatch.setattr(numerics, "FLOAT64_CHUNK_ELEMENTS", 7 * 64)
+    assert torch.equal(INVARIANT.linear(x, w), (x.double() @ w.double().t()).float())
+
+
 def test_fp4_blocks_are_exact_in_float32_over_the_widest_range():
     """Blocks whose activations span every e4m3 binade, subnormals next to ±448, against every e2m1
     code: the split float32 sums equal the float64 formula bit for bit. Block 0 of row 0 is built so
@@ -116,12 +139,12 @@ def test_fp4_blocks_are_exact_in_float32_over_the_widest_range():
     q = codes.view(torch.float8_e4m3fn)
     packed = torch.randint(-128, 128, (48, 512), dtype=torch.int8, generator=g)
     packed[0, :16] = torch.tensor([0x77] * 8 + [0x71] + [0x77] * 7, dtype=torch.uint8).view(torch.int8)
-    values = block_operands(packed, torch.full((48, 32), 127, dtype=torch.uint8), "fp4", 48)[0]
+    values = formats.decode_bytes(packed, "e2m1x2")
     blocks = (q.double().view(4, 1, 32, 32) * values.double().view(1, 48, 32, 32)).sum(-1).float()   # [M, N, nb]
     expect = torch.zeros(4, 48)
     for k in range(32):
         expect = expect + blocks[..., k]
-    got = INVARIANT.block_scaled_matmul(q, torch.ones(4, 32), values, torch.ones(48, 32), "fp4")
+    got = INVARIANT.block_scaled_matmul(q, torch.ones(4, 32), packed, torch.ones(48, 32), "fp4")
     assert torch.equal(got, expect)
     in_order = torch.zeros((), dtype=torch.float32)
     for a, w in zip(q[0, :32].float(), values[0, :32]):
@@ -136,7 +159,7 @@ def test_one_gemm_over_the_dequantised_weight_is_not_the_blockwise_result(quanti
     w, s = weights["fp8"]
     q, q_scale = formats.fp8_act_quant(x.float())
     one_gemm = F.linear(formats.fp8_qdq(x.float()), formats.dequantize_fp8_weight(w, s))
-    blockwise = INVARIANT.block_scaled_matmul(q, q_scale, *block_operands(w, s, "fp8", 96, torch.float64), "fp8")
+    blockwise = INVARIANT.block_scaled_matmul(q, q_scale, w, block_scales(s, "fp8", 96), "fp8")
     assert (one_gemm != blockwise).float().mean() > 0.05
     torch.testing.assert_close(one_gemm, blockwise, rtol=1e-5, atol=1e-4)
 

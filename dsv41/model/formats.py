@@ -99,7 +99,7 @@ def fp4_decode(codes: Tensor) -> Tensor:
     return E2M1_VALUES.to(codes.device)[codes.to(torch.long)]
 
 
-def _byte_values(fmt: str) -> Tensor:
+def byte_values(fmt: str) -> Tensor:
     """fp32 [256]: the value of every byte of "e4m3" (torch's own exact widening cast, once per byte)
     or [256, 2] of a packed "e2m1x2" byte (its even element in the low nibble, then its odd one)."""
     raw = torch.arange(256, dtype=torch.int32)
@@ -120,12 +120,12 @@ def _lookup(values: Tensor, dtype: torch.dtype) -> Tensor:
     return rows.view(_ROW_AS_ELEMENT[rows.shape[1] * rows.element_size()]).reshape(-1)
 
 
-_E4M3 = _byte_values("e4m3")
+_E4M3 = byte_values("e4m3")
 _E4M3_PAIRS = torch.stack((_E4M3.repeat(256), _E4M3.repeat_interleave(256)), dim=-1)
 _LOOKUPS = {("e4m3", torch.float32): (2, _lookup(_E4M3_PAIRS, torch.float32)),
             ("e4m3", torch.float64): (1, _lookup(_E4M3, torch.float64)),
-            ("e2m1x2", torch.float32): (1, _lookup(_byte_values("e2m1x2"), torch.float32)),
-            ("e2m1x2", torch.float64): (1, _lookup(_byte_values("e2m1x2"), torch.float64))}
+            ("e2m1x2", torch.float32): (1, _lookup(byte_values("e2m1x2"), torch.float32)),
+            ("e2m1x2", torch.float64): (1, _lookup(byte_values("e2m1x2"), torch.float64))}
 
 
 def decode_bytes(stored: Tensor, fmt: str, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -69,15 +69,12 @@ def stored_dtypes(storage: str, numerics: Numerics, compute_dtype: torch.dtype
     return compute_dtype, None
 
 
-def block_operands(weight: torch.Tensor, scale: torch.Tensor, storage: str, out_features: int,
-                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """A quantised [..., out, in] weight as the blockwise GEMM takes it: (code values [..., out, in] in
-    `dtype`, the precision the GEMM sums in, decoded straight into it; power-of-two scales fp32
-    [..., out, in/32], one per output row and K block) (§6.2)."""
+def block_scales(scale: torch.Tensor, storage: str, out_features: int) -> torch.Tensor:
+    """A quantised [..., out, in] weight's power-of-two scales as the blockwise GEMM takes them: fp32
+    [..., out, in/32], one per output row and K block (§6.2)."""
     if storage == "fp4":
-        return formats.decode_bytes(weight, "e2m1x2", dtype), formats.e8m0_to_float(scale)
-    rows = formats.e8m0_to_float(scale).repeat_interleave(formats.FP8_WEIGHT_BLOCK, dim=-2)[..., :out_features, :]
-    return formats.decode_bytes(weight, "e4m3", dtype), rows
+        return formats.e8m0_to_float(scale)
+    return formats.e8m0_to_float(scale).repeat_interleave(formats.FP8_WEIGHT_BLOCK, dim=-2)[..., :out_features, :]
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str,
@@ -85,9 +82,9 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """§6.3: fp8 activation quantisation per 32, the blockwise GEMM (not one GEMM over the dequantised
     weight, which rounds differently: docs/NUMERICS.md N5), bf16 out; x [..., in]."""
     q, q_scale = formats.fp8_act_quant(x.float())
-    values, w_scale = block_operands(weight, scale, storage, out_features, numerics.block_operand_dtype(storage))
     flat = q.reshape(-1, q.shape[-1])
-    y = numerics.block_scaled_matmul(flat, q_scale.reshape(flat.shape[0], -1), values, w_scale, storage)
+    y = numerics.block_scaled_matmul(flat, q_scale.reshape(flat.shape[0], -1), weight,
+                                     block_scales(scale, storage, out_features), storage)
     return y.to(torch.bfloat16).view(*x.shape[:-1], out_features)
 
 
@@ -97,8 +94,8 @@ def quantized_pairs(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     [P, out]. Only where `numerics.pairs_at_once(storage)`: exact block sums make each pair's bits
     those of running its row alone."""
     q, q_scale = formats.fp8_act_quant(x.float())
-    values, w_scale = block_operands(weight, scale, storage, out_features, numerics.block_operand_dtype(storage))
-    y = numerics.block_scaled_matmul(q.unsqueeze(1), q_scale.unsqueeze(1), values, w_scale, storage)
+    y = numerics.block_scaled_matmul(q.unsqueeze(1), q_scale.unsqueeze(1), weight,
+                                     block_scales(scale, storage, out_features), storage)
     return y.squeeze(1).to(torch.bfloat16)
 
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import formats
+from . import formats, native
 from ..config import ConfigError
 
 MODES = ("reference", "fast")
@@ -56,12 +56,22 @@ EXPERT_KERNELS = ("loop", "grouped")
 ATTENTION_BLOCK = 64
 # Quantised GEMMs sum each 32-wide K block on its own (§6.3: one activation scale per 32 inputs).
 GEMM_BLOCK = 32
-# Largest float64 weight copy an invariant matmul makes at once (the head is 129280 × 5120).
-FLOAT64_CHUNK_ELEMENTS = 1 << 25
+# Largest float64 weight copy an invariant matmul makes at once (the head is 129280 × 4096). Above
+# glibc's largest mmap threshold (32 MB) every call's copy is fresh pages, faulted in one by one: the
+# demo-sized head (8192 × 512) converted in 21.6 ms in one piece and in 2.2 ms in pieces of 8 MB.
+FLOAT64_CHUNK_ELEMENTS = 1 << 20
+# Weight values an invariant quantised GEMM decodes at once: a piece that stays in the cache between
+# its decode and its product, instead of the whole weight written out and read back.
+DECODE_CHUNK_ELEMENTS = 1 << 17
 # Stored bytes fewer than this decode by torch's cast (one op) rather than the table lookup (several).
 CAST_BELOW = 1 << 14
 # Largest batch of per-block partial sums an invariant quantised GEMM holds at once.
 BLOCK_PARTIALS_ELEMENTS = 1 << 23
+# Most activation rows per weight the native blockwise GEMM takes (docs/NUMERICS.md N11): it reads
+# the weight once for all of them, but past a few rows the BLAS's products win. Measured in one
+# process, alternating: a batch-16 decode step 588 ms at 4, 649 at 16, 858 without it; a 128-token
+# prefill 1.51 s at 4, 1.78 at 16, 1.64 without it.
+NATIVE_MAX_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,7 @@ class Numerics:
     kernels: str = "invariant"
     experts: str = "loop"
     cpu_kernels: bool = False
+    native: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -82,6 +93,10 @@ class Numerics:
             # the grouped GEMM sums in its own order: only fast numerics with BLAS kernels may take it
             raise ConfigError(f"the grouped expert GEMM needs fast numerics with BLAS kernels, not "
                               f"{self.mode}/{self.kernels}")
+        if self.native and not (self.quantized and self.invariant):
+            # the C kernel sums each block exactly: the bits of invariant kernels, not the BLAS's
+            raise ConfigError(f"the native blockwise GEMM computes reference numerics with invariant kernels, "
+                              f"not {self.mode}/{self.kernels}")
         if self.cpu_kernels and (self.quantized or self.invariant):
             raise ConfigError(f"the CPU kernels sum in their own order: fast numerics with BLAS kernels only, "
                               f"not {self.mode}/{self.kernels}")
@@ -94,13 +109,16 @@ class Numerics:
 
     @classmethod
     def for_device(cls, mode: str, kernels: str | None, device: str, dtype: str = "bfloat16") -> "Numerics":
-        """The policy of a model on `device`: kernels as given (None: `default`); when fast numerics run
-        BLAS kernels, the grouped expert GEMM on accelerators in bf16 (their grouped kernels take bf16)
-        and the CPU kernels on the CPU."""
+        """The policy of a model on `device`: kernels as given (None: `default`); reference numerics with
+        invariant kernels on the CPU take the native blockwise GEMM where it builds; when fast numerics
+        run BLAS kernels, the grouped expert GEMM on accelerators in bf16 (their grouped kernels take
+        bf16) and the CPU kernels on the CPU."""
         policy = cls.default(mode) if kernels is None else cls(mode, kernels)
+        kind = torch.device(device).type
+        if policy.quantized and policy.invariant and kind == "cpu" and native.available():
+            return cls(policy.mode, policy.kernels, native=True)
         if policy.quantized or policy.invariant:
             return policy
-        kind = torch.device(device).type
         if kind == "cpu":
             return cls(policy.mode, policy.kernels, cpu_kernels=True)
         if kind != "meta" and dtype == "bfloat16":
@@ -206,8 +224,12 @@ class Numerics:
             return F.linear(x, weight)
         rows = max(1, FLOAT64_CHUNK_ELEMENTS // max(weight.shape[1], 1))
         x64 = x.double()
-        parts = [F.linear(x64, weight[i:i + rows].double()) for i in range(0, weight.shape[0], rows)]
-        return _round(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0], x.dtype)
+        if rows >= weight.shape[0]:
+            return _round(F.linear(x64, weight.double()), x.dtype)
+        out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32, device=x.device)
+        for i in range(0, weight.shape[0], rows):
+            out[..., i:i + rows] = F.linear(x64, weight[i:i + rows].double())      # the one rounding, to fp32
+        return out.to(x.dtype)
 
     def matmul_into(self, x: torch.Tensor, weight_t: torch.Tensor, out: torch.Tensor) -> None:
         """`linear` of x [m, K] with a transposed weight [K, N], written into out [m, N] (rows of a larger
@@ -235,19 +257,18 @@ class Numerics:
         made exact in float32 by `block_scaled_matmul`)."""
         return torch.float64 if self.invariant and storage == "fp8" else torch.float32
 
-    def block_scaled_matmul(self, q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor,
+    def block_scaled_matmul(self, q: torch.Tensor, q_scale: torch.Tensor, stored: torch.Tensor,
                             w_scale: torch.Tensor, storage: str) -> torch.Tensor:
         """The reference's quantised GEMM (§6.3): fp32 [M, N].
 
-        q [M, K] e4m3 activations, q_scale [M, nb]; w [N, K] code values of an `storage` ("fp8": e4m3,
-        "fp4": e2m1) weight, unscaled, in `block_operand_dtype(storage)`; w_scale [N, nb] per output row.
-        Invariant kernels also take a leading pair dim P on all four ([P, M, K] … → [P, M, N]): one
-        weight per pair.
+        q [M, K] e4m3 activations, q_scale [M, nb]; stored [N, K] e4m3 bytes ("fp8") or [N, K/2] packed
+        e2m1 ("fp4") of the weight, unscaled; w_scale [N, nb] fp32 per output row. Invariant kernels
+        also take a leading pair dim P on all four ([P, M, K] … → [P, M, N]): one weight per pair.
         Each 32-wide K block is summed on its own, the partial sum scaled by both (power-of-two) scales
-        and added to an fp32 accumulator in K order. BLAS kernels run one fp32 product per block, at
-        the reference's shapes. Invariant kernels sum a block exactly, then round it once, so the
-        blocks' sums can come from one batched product (any order gives the same bits) and only the
-        fp32 accumulation stays sequential:
+        and added to an fp32 accumulator in K order. BLAS kernels decode the weight and run one fp32
+        product per block, at the reference's shapes. Invariant kernels sum a block exactly, then round
+        it once, so the blocks' sums can come from one batched product (any order gives the same bits)
+        and only the fp32 accumulation stays sequential:
         - e4m3 × e4m3 in float64: a product has at most 8 significant bits and a block spans fewer than
           2⁴¹ of its units;
         - e4m3 × e2m1 in float32, the activations split into integer and fraction parts
@@ -256,13 +277,22 @@ class Numerics:
           units of 2⁻¹⁰ likewise. Every partial sum fits float32's 24 bits, in any order and with FMA;
           one fp32 addition of the two halves then rounds their exact sum once. This reads 4 bytes per
           weight instead of 8.
+        Invariant kernels decode the weight's code values piece by piece, each piece right before its
+        product (`DECODE_CHUNK_ELEMENTS`), never the whole weight at once.
         """
         M, K = q.shape[-2:]
-        nb = K // GEMM_BLOCK
+        nb, N, lead = K // GEMM_BLOCK, stored.shape[-2], q.shape[:-2]
+        if self.native and M <= NATIVE_MAX_ROWS and q.device.type == "cpu":
+            out = native.block_gemm(q.reshape(-1, M, K), q_scale.reshape(-1, M, nb),
+                                    stored.reshape(-1, N, stored.shape[-1]), w_scale.reshape(-1, N, nb), storage)
+            if out is not None:
+                return out.view(*lead, M, N)
+        fmt, dtype = ("e2m1x2" if storage == "fp4" else "e4m3"), self.block_operand_dtype(storage)
         # activations are small: torch's exact widening cast is one op, the table lookup several
-        a = q.to(w.dtype) if q.numel() < CAST_BELOW else formats.decode_bytes(q, "e4m3", w.dtype)
-        acc = torch.zeros(*q.shape[:-1], w.shape[-2], dtype=torch.float32, device=q.device)
+        a = q.to(dtype) if q.numel() < CAST_BELOW else formats.decode_bytes(q, "e4m3", dtype)
+        acc = torch.zeros(*q.shape[:-1], N, dtype=torch.float32, device=q.device)
         if not self.invariant:
+            w = formats.decode_bytes(stored, fmt, dtype)
             for k in range(nb):
                 cols = slice(k * GEMM_BLOCK, (k + 1) * GEMM_BLOCK)
                 acc += torch.mm(a[:, cols], w[:, cols].t()) * q_scale[:, k:k + 1] * w_scale[:, k].unsqueeze(0)
@@ -271,18 +301,23 @@ class Numerics:
         if split:
             whole = a.trunc()
             a = torch.cat([whole, a - whole], dim=-2)                              # [..., 2M, K], both exact
-        rows, lead = a.shape[-2], a.shape[:-2]
-        a_blocks = a.view(*lead, rows, nb, GEMM_BLOCK).transpose(-3, -2)           # [..., nb, rows, 32]
-        w_blocks = w.view(*lead, -1, nb, GEMM_BLOCK).movedim(-3, -1)               # [..., nb, 32, N]
-        step = max(1, BLOCK_PARTIALS_ELEMENTS // max(a.shape[:-1].numel() * w.shape[-2], 1))
-        for k0 in range(0, nb, step):
-            ks = slice(k0, min(nb, k0 + step))
-            exact = torch.matmul(a_blocks[..., ks, :, :], w_blocks[..., ks, :, :])   # [..., k, rows, N]
-            # one rounding per block: float64 → fp32, or the fp32 add of the two exact halves (IEEE
-            # addition rounds the exact sum once)
-            partial = exact[..., :M, :] + exact[..., M:, :] if split else exact.float()
-            partial.mul_(q_scale[..., ks].transpose(-1, -2).unsqueeze(-1))
-            partial.mul_(w_scale[..., ks].transpose(-1, -2).unsqueeze(-2))
+        rows = a.shape[-2]
+        a_blocks = a.view(*lead, rows, nb, GEMM_BLOCK)                             # [..., rows, nb, 32]
+        per_byte = K // stored.shape[-1]                                           # values per stored byte
+        k_step = max(1, BLOCK_PARTIALS_ELEMENTS // max(a.shape[:-1].numel() * N, 1))
+        for k0 in range(0, nb, k_step):
+            k1 = min(nb, k0 + k_step)
+            width = (k1 - k0) * GEMM_BLOCK
+            n_step = max(1, DECODE_CHUNK_ELEMENTS // max(lead.numel() * width, 1))
+            pieces = []
+            for n0 in range(0, N, n_step):
+                n1 = min(N, n0 + n_step)
+                piece = stored[..., n0:n1, k0 * GEMM_BLOCK // per_byte:k1 * GEMM_BLOCK // per_byte]
+                w_blocks = formats.decode_bytes(piece, fmt, dtype).view(*lead, n1 - n0, k1 - k0, GEMM_BLOCK)
+                pieces.append(_exact_block_sums(a_blocks[..., k0:k1, :], w_blocks, M, split))
+            partial = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
+            partial.mul_(q_scale[..., k0:k1].transpose(-1, -2).unsqueeze(-1))
+            partial.mul_(w_scale[..., k0:k1].transpose(-1, -2).unsqueeze(-2))
             for block in partial.unbind(-3):
                 acc += block
         return acc
@@ -292,6 +327,20 @@ class Numerics:
         product per projection: with exact block sums a pair's bits do not depend on which rows share
         its call (docs/NUMERICS.md N7, N9)."""
         return self.quantized and self.invariant and storage in ("fp8", "fp4")
+
+
+def _exact_block_sums(a: torch.Tensor, w: torch.Tensor, M: int, split: bool) -> torch.Tensor:
+    """Σ over each 32-wide block of a [..., rows, k, 32] × w [..., n, k, 32] → fp32 [..., k, M, n], each
+    exact sum rounded once: rows are M activation rows (float64 products), or their M integer parts then
+    M fractions (fp32 products, the two exact halves added once). A single row takes a product and a
+    sum per block, reading w in place: a matmul would first copy w into [k, 32, n], a transposition
+    that cost more than the product itself (6 × 512 × 512 fp4 expert weights: 2.3 of 2.7 ms)."""
+    if M == 1:
+        sums = [(w * a[..., r:r + 1, :, :]).sum(-1) for r in range(a.shape[-3])]   # [..., n, k] each
+        block = sums[0] + sums[1] if split else sums[0].float()
+        return block.transpose(-1, -2).unsqueeze(-2)
+    exact = torch.matmul(a.transpose(-3, -2), w.movedim(-3, -1))                  # [..., k, rows, n]
+    return exact[..., :M, :] + exact[..., M:, :] if split else exact.float()
 
 
 def _round(x64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
