@@ -2,9 +2,11 @@
 
 The torch path is itself checked against the §6.3 formula written out in tests/test_numerics.py; here
 the C kernel must give its bits exactly, on blocks that span every e4m3 binade (subnormals next to
-±448) against every weight code, for plain weights and for pairs, at every row count it takes. A
-kernel built from a mutated source (the fp4 integer sums scaled by 2⁻⁹ instead of 2⁻¹⁰; the fp8 sums
-in fp32) must fail the same comparison.
+±448) against every weight code, for plain weights and for pairs, at every row count it takes; its
+activation quantiser must give formats.fp8_act_quant's bytes and scales on every e4m3 tie and its
+neighbours, subnormals, ±0, ±inf and NaN. Kernels built from mutated sources (the fp4 integer sums
+scaled by 2⁻⁹ instead of 2⁻¹⁰; the fp8 sums in fp32; ties rounded away from zero; subnormals
+truncated) must fail the same comparisons.
 """
 
 from __future__ import annotations
@@ -132,6 +134,53 @@ def test_a_mutated_kernel_fails_the_comparison(storage, old, new, tmp_path, monk
     assert torch.equal(NATIVE.block_scaled_matmul(q, q_scale, w, block_scales(s, storage, 72), storage), expect)
     monkeypatch.setattr(native, "_library", lambda: lib)
     assert not torch.equal(NATIVE.block_scaled_matmul(q, q_scale, w, block_scales(s, storage, 72), storage), expect)
+
+
+def act_quant_inputs() -> torch.Tensor:
+    """fp32 rows spanning 2⁻³⁰…2²⁰, with every e4m3 midpoint (a tie), its two neighbours, ±0, ±inf,
+    NaN and a block below the amax floor."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(64, 1024, generator=g) * torch.exp2(torch.randint(-30, 20, (64, 1024), generator=g).float())
+    values = formats.byte_values("e4m3")
+    grid = values[torch.isfinite(values)].unique()
+    mid = (grid[1:] + grid[:-1]) / 2
+    x[0, :mid.numel()] = mid
+    x[1, :mid.numel()] = torch.nextafter(mid, torch.tensor(1e9))
+    x[2, :mid.numel()] = torch.nextafter(mid, torch.tensor(-1e9))
+    x[3, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0])
+    x[4], x[5] = 0.0, 1e-6
+    return x
+
+
+def same_quantisation(a, b) -> bool:
+    qa, qb = a[0].view(torch.uint8), b[0].view(torch.uint8)
+    nan = a[0].float().isnan()
+    return (torch.equal(nan, b[0].float().isnan()) and torch.equal(qa[~nan], qb[~nan])
+            and torch.equal(a[1].nan_to_num(-1.0), b[1].nan_to_num(-1.0)))
+
+
+def test_native_activation_quantisation_is_formats():
+    x = act_quant_inputs()
+    assert same_quantisation(native.fp8_act_quant(x), formats.fp8_act_quant(x))
+    bf16 = x.to(torch.bfloat16)[6:]
+    assert same_quantisation(NATIVE.fp8_act_quant(bf16), formats.fp8_act_quant(bf16.float()))
+
+
+@pytest.mark.parametrize("old, new", [
+    ("+ ((mag.bits >> 20) & 1u)", ""),                               # ties away from zero, not to even
+    ("rintf(a * 512.0f)", "truncf(a * 512.0f)"),                     # subnormals truncated
+])
+def test_a_mutated_activation_quantiser_is_caught(old, new, tmp_path, monkeypatch):
+    source = native.SOURCE.read_text()
+    assert old in source
+    mutated = tmp_path / "blockgemm.c"
+    mutated.write_text(source.replace(old, new))
+    monkeypatch.setattr(native, "SOURCE", mutated)
+    native.build(tmp_path / "mutated.so")
+    lib = native.load(tmp_path / "mutated.so")
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    x = act_quant_inputs()
+    assert not same_quantisation(native.fp8_act_quant(x), formats.fp8_act_quant(x))
 
 
 def test_scales_are_taken_per_output_row():

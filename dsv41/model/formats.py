@@ -22,7 +22,7 @@ ENGRAM_BLOCK = 32  # Engram table scales cover 1x32 blocks along the row (§6.2)
 # §6.3 / §6.4: the activation scales multiply by the fp32-rounded reciprocal, not divide. A Python
 # float holding an fp32 value gives the same product as an fp32 multiply (the exact product of two
 # fp32 numbers fits a double, then rounds once).
-_INV_FP8_MAX_F32 = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
+INV_FP8_MAX_F32 = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
 _INV_FP4_MAX_F32 = float(torch.tensor(1.0 / FP4_MAX, dtype=torch.float32))
 ACT_AMAX_FLOOR = 1e-4  # fp8 activation / window-KV amax floor (§6.3, §6.4 point #2)
 FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9  # point #3: keeps the e4m3 scale >= its smallest subnormal
@@ -248,7 +248,7 @@ def _block_amax(x: Tensor, block: int, floor: float) -> tuple[Tensor, Tensor]:
 def fp8_act_quant(x: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
     """§6.3 point #1: -> (e4m3 q, same shape as x; fp32 power-of-two scale [..., n/block])."""
     blocks, amax = _block_amax(x, block, ACT_AMAX_FLOOR)
-    scale = pow2_ceil(amax * _INV_FP8_MAX_F32)
+    scale = pow2_ceil(amax * INV_FP8_MAX_F32)
     q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.flatten(-2), scale
 

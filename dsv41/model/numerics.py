@@ -181,6 +181,15 @@ class Numerics:
         """Point #4: indexer queries and keys, fp4 in blocks of 32 with ue8m0 scales."""
         return formats.fp4_qdq_e8m0(x, 32) if self.quantized else x
 
+    def fp8_act_quant(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """§6.3 point #1 before a quantised GEMM: `formats.fp8_act_quant`, in one pass by the native
+        kernel where the policy takes it (the same bytes and scales: tests/test_native.py)."""
+        if self.native and x.device.type == "cpu":
+            out = native.fp8_act_quant(x)
+            if out is not None:
+                return out
+        return formats.fp8_act_quant(x.float())
+
     # ------------------------------------------------------------------------------ elementwise
     def exp(self, x: torch.Tensor) -> torch.Tensor:
         return self._elementwise(torch.exp, x)

@@ -82,6 +82,9 @@ def load(path: Path) -> ctypes.CDLL:
     fn = lib.dsv41_block_gemm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 8
+    quant = lib.dsv41_fp8_act_quant
+    quant.restype = None
+    quant.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 2
     return lib
 
 
@@ -134,3 +137,17 @@ def block_gemm(q: torch.Tensor, q_scale: torch.Tensor, stored: torch.Tensor, w_s
                                   q_scale.data_ptr(), stored.data_ptr(), w_scale.data_ptr(), e4m3.data_ptr(),
                                   e4m3_int.data_ptr(), e2m1_int.data_ptr(), out.data_ptr())
     return out if status == 0 else None
+
+
+def fp8_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`formats.fp8_act_quant(x)` (e4m3 codes [..., K], fp32 scales [..., K/32]) of a CPU tensor, in one
+    pass; None where the kernel is not available."""
+    lib = _library()
+    if lib is None:
+        return None
+    flat = x.float().reshape(-1, x.shape[-1]).contiguous()
+    q = torch.empty(flat.shape, dtype=torch.uint8)
+    scale = torch.empty(flat.shape[0], flat.shape[1] // formats.FP8_WEIGHT_BLOCK, dtype=torch.float32)
+    lib.dsv41_fp8_act_quant(flat.shape[0], flat.shape[1], flat.data_ptr(), formats.ACT_AMAX_FLOOR,
+                            formats.INV_FP8_MAX_F32, q.data_ptr(), scale.data_ptr())
+    return q.view(torch.float8_e4m3fn).view(x.shape), scale.view(*x.shape[:-1], -1)

@@ -18,6 +18,7 @@
  * Activation and fp4 values come from the caller's tables (torch's exact widening casts): e4m3[256]
  * as floats, e4m3_int[256] = 2^9 · e4m3 as int32, e2m1_int[16] = 2 · e2m1 as int8.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -154,4 +155,54 @@ int dsv41_block_gemm(int64_t P, int64_t M, int64_t N, int64_t K, int fp4, int th
     free(act);
     free(act_int);
     return status;
+}
+
+/* §6.3 point #1, formats.fp8_act_quant for rows of fp32 x [rows, K]: per 32-wide block the scale
+ * pow2_ceil(max(amax, floor) · inv_max) (the caller's 1e-4 and fp32(1/448)), then each x / scale clamped to ±448 and rounded to the
+ * nearest e4m3 byte, ties to the even code. NaN propagates as torch's ops do: into the block's amax
+ * (so its scale is the ue8m0 NaN) and into its bytes (0x7F with the sign). */
+static uint8_t e4m3_byte(float v) {
+    union { float value; uint32_t bits; } in = {v};
+    const uint8_t sign = (uint8_t)((in.bits >> 24) & 0x80u);
+    if (isnan(v)) return 0x7Fu | sign;
+    const float a = fabsf(v);
+    if (a < 0x1p-6f) return (uint8_t)rintf(a * 512.0f) | sign;    /* subnormal steps of 2^-9 (8 = 2^-6) */
+    union { float value; uint32_t bits; } mag = {a};
+    const uint32_t rounded = mag.bits + 0x7FFFFu + ((mag.bits >> 20) & 1u);
+    return (uint8_t)((rounded >> 20) - (120u << 3)) | sign;
+}
+
+static float pow2_ceil(float x) {
+    union { float value; uint32_t bits; } in = {x}, out;
+    uint32_t exponent = (in.bits & 0x7FFFFFFFu) >> 23;
+    exponent += (in.bits & 0x7FFFFFu) != 0;
+    if (exponent >= 255u) { out.bits = 0x7FC00000u; return out.value; }
+    out.bits = exponent ? exponent << 23 : 0x00400000u;       /* 2^-127 is a subnormal */
+    return out.value;
+}
+
+void dsv41_fp8_act_quant(int64_t rows, int64_t K, const float *x, float floor, float inv_max, uint8_t *q,
+                         float *scale) {
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t k = 0; k < K / BLOCK; k++) {
+            const float *block = x + r * K + k * BLOCK;
+            float amax = 0.0f;
+            int nan = 0;
+            for (int j = 0; j < BLOCK; j++) {
+                const float a = fabsf(block[j]);
+                nan |= isnan(a);
+                amax = a > amax ? a : amax;
+            }
+            if (nan) amax = NAN;
+            else if (amax < floor) amax = floor;
+            const float s = pow2_ceil(amax * inv_max);
+            scale[r * (K / BLOCK) + k] = s;
+            for (int j = 0; j < BLOCK; j++) {
+                float v = block[j] / s;
+                if (v > 448.0f) v = 448.0f;
+                if (v < -448.0f) v = -448.0f;
+                q[r * K + k * BLOCK + j] = e4m3_byte(v);
+            }
+        }
+    }
 }
