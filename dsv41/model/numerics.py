@@ -37,6 +37,10 @@ One frozen object, built from the runtime config and passed to every module (STY
     run in NumPy (hyper.py): Sinkhorn's 120 steps on 4×4 matrices cost a fixed ~4 µs each as torch
     ops, ~1.3 µs as NumPy ones.
   Both sum in another order than the default path, which fast numerics with BLAS kernels allow.
+- `native` (reference numerics with invariant kernels on the CPU, set by `for_device` where the C
+  library builds: `native/`, docs/NUMERICS.md N11): quantised GEMMs of at most `NATIVE_MAX_ROWS`
+  activation rows per weight, and every activation quantisation before one, run in C from the stored
+  bytes, with the torch path's bits exactly (exact block sums), so it may mix with it freely.
 """
 
 from __future__ import annotations
