@@ -3,9 +3,10 @@
 Shapes: P pairs (one weight each; 1 for a plain Linear), M activation rows, K reduction width, N outputs.
 
 `blockgemm.c` computes the reference's blockwise GEMM (§6.3) for a few rows straight from the stored
-fp8 / fp4 bytes: each block's 32 products summed exactly in double, rounded once to fp32, scaled and
-accumulated in K order: the bits of `Numerics.block_scaled_matmul`'s invariant path, without decoding
-the weight into a tensor first. The torch path decodes every weight byte by a table lookup into a new
+fp8 / fp4 bytes: each block's 32 products summed exactly (fp8 in double lanes, fp4 in int32), rounded
+once to fp32, scaled and accumulated in K order: the bits of `Numerics.block_scaled_matmul`'s invariant
+path, without decoding the weight into a tensor first. It also quantises a GEMM's activations in one
+pass (`fp8_act_quant`, the bytes and scales of `formats.fp8_act_quant`). The torch path decodes every weight byte by a table lookup into a new
 tensor and then multiplies it: at a decode step that is several passes over memory per weight.
 
 The library is compiled with the system's C compiler into a cache folder (`$DSV41_CACHE`, else
