@@ -1,11 +1,16 @@
-"""The CPU kernel choices of fast numerics (numerics.py `cpu_kernels`), each against torch's default in
-the same run:
+"""The CPU kernel choices of both numerics (numerics.py `cpu_kernels`, `native`), each against torch's
+default in the same run:
 
 - index scores (a product of two bf16 activations) whose key count grows by one per call, as in
   decoding, and at a repeated shape: bf16 (oneDNN builds a kernel per new shape) against fp32 copies;
-- Sinkhorn (20 iterations on 4×4 matrices) at decode row counts: torch ops against NumPy;
-- a whole fast decode step of the bench_reference config (batch 1 and 16) with and without the CPU
-  kernels: two models with the same weights, their steps alternating.
+- one-row products at decode shapes: torch's bf16 and fp32 `mm` against the native bf16 product
+  (fast), and the invariant float64 product against the native exact one (reference);
+- the hyper-connection mixes (20 Sinkhorn iterations on 4×4 matrices) at decode row counts: torch ops
+  against NumPy and the native kernel;
+- one layer's routed experts for 1 and 16 tokens: the torch loop against the native call;
+- a whole decode step of the bench_reference config (batch 1 and 16) under each policy: models with
+  the same weights, their steps alternating; fast numerics without and with the CPU kernels and the
+  native ones, reference numerics (invariant kernels) without and with the native ones.
 
     python benchmarks/bench_kernels.py [--threads 2] [--dim 512] [--layers 8]
 """
@@ -24,11 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_reference import config                 # noqa: E402
 from dsv41.config import RuntimeConfig                       # noqa: E402
-from dsv41.model import Transformer, hyper                   # noqa: E402
+from dsv41.model import Transformer, hyper, native           # noqa: E402
 from dsv41.model.init import init_random_                    # noqa: E402
-from dsv41.model.numerics import FAST, Numerics              # noqa: E402
+from dsv41.model.moe import RoutedExperts                    # noqa: E402
+from dsv41.model.numerics import FAST, REFERENCE, Numerics   # noqa: E402
 
 CPU = Numerics("fast", "blas", cpu_kernels=True)
+CPU_NATIVE = Numerics("fast", "blas", cpu_kernels=True, native=True)
+REFERENCE_NATIVE = Numerics("reference", "invariant", native=True)
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -52,39 +60,80 @@ def index_scores(heads: int = 4, width: int = 64, keys: int = 256, calls: int = 
         print(f"  {name:28s} a new key count each call {growing:8.1f}   one key count {repeated:7.1f}")
 
 
-def sinkhorn(calls: int = 200) -> None:
-    print("Sinkhorn, 20 iterations of 4×4 (µs per call):")
+def products(calls: int = 200) -> None:
+    print("one-row products x [1, K] · w [N, K]ᵀ (µs per call):")
+    g = torch.Generator().manual_seed(2)
+    for K, N in ((512, 256), (256, 512), (512, 8192), (4096, 1024)):
+        w = torch.randn(N, K, generator=g).bfloat16()
+        x = torch.randn(1, K, generator=g).bfloat16()
+        w32, x32 = w.float(), x.float()
+        bf16 = per_call_us(lambda i: torch.mm(x, w.t()), calls)
+        fp32 = per_call_us(lambda i: torch.mm(x32, w32.t()), calls)
+        fast = per_call_us(lambda i: CPU_NATIVE.linear(x, w), calls)
+        exact = per_call_us(lambda i: REFERENCE.linear(x32, w32), calls)
+        exact_native = per_call_us(lambda i: REFERENCE_NATIVE.linear(x32, w32), calls)
+        print(f"  {K:5d} → {N:5d}: bf16 mm {bf16:7.1f}  fp32 mm {fp32:7.1f}  native bf16 {fast:7.1f} ({bf16 / fast:.2f}×)"
+              f"   float64 fp32 {exact:8.1f}  native exact {exact_native:7.1f} ({exact / exact_native:.2f}×)")
+
+
+def mixes(calls: int = 200) -> None:
+    print("hyper-connection mixes with Sinkhorn, 20 iterations of 4×4 (µs per call):")
     for rows in (1, 16, hyper.INNERMOST_FROM - 1):
-        c = torch.randn(rows, 1, 4, 4, generator=torch.Generator().manual_seed(rows))
-        torch_us = per_call_us(lambda i: hyper.sinkhorn(c, 20, 1e-6, FAST), calls)
-        host_us = per_call_us(lambda i: hyper.sinkhorn(c, 20, 1e-6, CPU), calls)
-        print(f"  {rows:3d} rows: torch {torch_us:7.1f}   NumPy {host_us:7.1f}   ({torch_us / host_us:.2f}×)")
+        g = torch.Generator().manual_seed(rows)
+        m, scale, base = torch.randn(rows, 1, 24, generator=g), torch.rand(3, generator=g), torch.randn(24, generator=g)
+        us = {name: per_call_us(lambda i, p=policy: hyper.split_mixes(m, scale, base, 4, 20, 1e-6, p), calls)
+              for name, policy in (("torch", FAST), ("NumPy", CPU), ("native", CPU_NATIVE),
+                                   ("reference torch", REFERENCE), ("reference native", REFERENCE_NATIVE))}
+        print(f"  {rows:3d} rows: " + "   ".join(f"{name} {v:7.1f}" for name, v in us.items())
+              + f"   (fast {us['NumPy'] / us['native']:.2f}× NumPy, reference "
+                f"{us['reference torch'] / us['reference native']:.2f}×)")
+
+
+def experts(calls: int = 50) -> None:
+    print("routed experts, 32 of dim 512 × 256, top 6, bf16 (µs per call):")
+    layers = [RoutedExperts(32, 512, 256, "bf16", 10.0, numerics=policy) for policy in (CPU, CPU_NATIVE)]
+    init_random_(layers[0], 0)
+    layers[1].load_state_dict(layers[0].state_dict())
+    for tokens in (1, 16):
+        g = torch.Generator().manual_seed(tokens)
+        x = torch.randn(tokens, 512, generator=g).bfloat16()
+        ids = torch.stack([torch.randperm(32, generator=g)[:6] for _ in range(tokens)])
+        w = torch.rand(tokens, 6, generator=g)
+        loop, fused = (per_call_us(lambda i, layer=layer: layer(x, w, ids), calls) for layer in layers)
+        print(f"  {tokens:2d} tokens: torch {loop:8.1f}   native {fused:8.1f}   ({loop / fused:.2f}×)")
 
 
 def decode(dim: int, layers: int, steps: int = 24) -> None:
     cfg = config(dim, layers)
-    runtime = RuntimeConfig(max_seq_len=200, max_batch_size=16, numerics="fast")
+    arms = (("fast, torch default", "fast", Numerics("fast", "blas")), ("fast, cpu_kernels", "fast", CPU),
+            ("fast, + native", "fast", CPU_NATIVE), ("reference, torch", "reference", REFERENCE),
+            ("reference, native", "reference", REFERENCE_NATIVE))
     models = {}
-    for name, cpu in (("torch default", False), ("cpu_kernels", True)):
-        model = init_random_(Transformer(cfg, runtime), 0)
+    for name, mode, policy in arms:
+        model = init_random_(Transformer(cfg, RuntimeConfig(max_seq_len=200, max_batch_size=16, numerics=mode)), 0)
         for module in model.modules():
             if hasattr(module, "numerics"):
-                module.numerics = Numerics("fast", "blas", cpu_kernels=cpu)
+                module.numerics = policy
         models[name] = model
-    print(f"fast decode step, dim {dim}, {layers} layers, after a 128-token prefill (ms, median of {steps - 2}):")
+    print(f"decode step, dim {dim}, {layers} layers, after a 128-token prefill (ms, median of {steps - 2}):")
     for batch in (1, 16):
         ids = torch.randint(0, cfg.vocab_size, (batch, 128 + steps), generator=torch.Generator().manual_seed(1))
         caches = {name: model.new_cache(batch, 200) for name, model in models.items()}
         for name, model in models.items():
             model(ids[:, :128], 0, caches[name])
         times = {name: [] for name in models}
+        logits = {}
         for p in range(128, 128 + steps):
             for name, model in models.items():
                 start = time.perf_counter()
-                model.logits(model(ids[:, p:p + 1], p, caches[name]).hidden[:, -1])
+                logits[name] = model.logits(model(ids[:, p:p + 1], p, caches[name]).hidden[:, -1])
                 times[name].append(time.perf_counter() - start)
-        base, cpu = (statistics.median(t[2:]) * 1e3 for t in times.values())
-        print(f"  batch {batch:2d}: torch default {base:7.1f}   cpu_kernels {cpu:7.1f}   ({base / cpu:.2f}×)")
+        ms = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
+        same = torch.equal(logits["reference, torch"], logits["reference, native"])
+        print(f"  batch {batch:2d}: " + "   ".join(f"{name} {v:7.1f}" for name, v in ms.items()))
+        print(f"            fast native {ms['fast, cpu_kernels'] / ms['fast, + native']:.2f}× cpu_kernels, "
+              f"{ms['fast, torch default'] / ms['fast, + native']:.2f}× torch default; reference native "
+              f"{ms['reference, torch'] / ms['reference, native']:.2f}× (last logits bit-equal: {same})")
 
 
 def main() -> None:
@@ -96,7 +145,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with torch.no_grad():
         index_scores()
-        sinkhorn()
+        if native.available():
+            products()
+            experts()
+        mixes()
         decode(args.dim, args.layers)
 
 

@@ -163,7 +163,7 @@ class Attention(nn.Module):
                                          shard=parallel.shard("attn.wo_a"), **kw)
         self.wo_b = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dense,
                                       shard=parallel.shard("attn.wo_b"), **kw)
-        self.rotary = Rotary.for_layer(cfg, role.uses_compressed_rope)
+        self.rotary = Rotary.for_layer(cfg, role.uses_compressed_rope, numerics)
         self.compressor = (Compressor(cfg.dim, cfg.head_dim, role.ratio, cfg.norm_eps, **kw)
                            if role.is_kv_source else None)
         self.indexer = (Indexer(cfg.dim, cfg.q_lora_rank, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim,
@@ -199,7 +199,7 @@ class Attention(nn.Module):
         """[B, T, H, Dh] → [B, T, G·Or]: group g (heads of g) through its own slice of wo_a (§11.8)."""
         groups = o.flatten(2).unflatten(-1, (self.o_groups, -1))                   # [B, T, G, H·Dh/G]
         wo_a = self.wo_a.dequantized_weight(groups.dtype).unflatten(0, (self.o_groups, self.o_lora_rank))
-        return self.numerics.einsum("btgi,gri->btgr", groups, wo_a).flatten(2)
+        return self.numerics.grouped_linear(groups, wo_a).flatten(2)
 
     # -------------------------------------------------------------------------------- compressed part
     def _compressed(self, x, qr, step: Step, handoff: Handoff, cache: ModelCache):

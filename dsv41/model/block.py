@@ -65,9 +65,9 @@ class Block(nn.Module):
         """The block around its two sublayers, given as functions of their normed input: the cached
         inference forward passes its attention over the cache, training (dsv41/training) a cache-free one."""
         pre_attn, post, comb = self._mixes(x, "attn")
-        x = hyper.expand(attend(self.attn_norm(hyper.collapse(x, pre))), x, post, comb, self.numerics)
+        x = hyper.expand(attend(self.attn_norm(hyper.collapse(x, pre, self.numerics))), x, post, comb, self.numerics)
         pre_ffn, post, comb = self._mixes(x, "ffn")
-        m = feed_forward(self.ffn_norm(hyper.collapse(x, pre_attn)))
+        m = feed_forward(self.ffn_norm(hyper.collapse(x, pre_attn, self.numerics)))
         return hyper.expand(m, x, post, comb, self.numerics), pre_ffn
 
 

@@ -108,6 +108,9 @@ def split_mixes(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, stream
                 eps: float, numerics: Numerics) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """m [..., M] → pre [..., S], post [..., S], comb [..., S, S] (§7.3)."""
     s = streams
+    native = numerics.split_mixes(m, scale, base, s, iters, eps)
+    if native is not None:
+        return native
     if numerics.host_mixes and _few(m.shape[:-1].numel(), m, scale, base):
         return _host_split_mixes(m, scale, base, s, iters, eps)
     pre = numerics.sigmoid(m[..., :s] * scale[0] + base[:s]) + eps
@@ -116,14 +119,21 @@ def split_mixes(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, stream
     return pre, post, sinkhorn(comb, iters, eps, numerics)
 
 
-def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """hc_pre: bf16(Σ_i pre_i · X_i); x [B, T, S, D], pre [B, T, S] → [B, T, D]."""
+def collapse(x: torch.Tensor, pre: torch.Tensor, numerics: Numerics | None = None) -> torch.Tensor:
+    """hc_pre: bf16(Σ_i pre_i · X_i); x [B, T, S, D], pre [B, T, S] → [B, T, D]. With a policy, a decode
+    step's few rows may take its native kernel (the same bits)."""
+    native = None if numerics is None else numerics.hc_collapse(x, pre)
+    if native is not None:
+        return native
     return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype)
 
 
 def expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
            numerics: Numerics) -> torch.Tensor:
     """hc_post: stream j = bf16(post_j · o + Σ_i comb[i][j] · R_i); → [B, T, S, D]."""
+    native = numerics.hc_expand(out, residual, post, comb)
+    if native is not None:
+        return native
     mixed = numerics.stream_mix(comb, residual)       # the reference's rounding in reference numerics
     return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(out.dtype)
 

@@ -134,6 +134,10 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [n, D], weights/ids [n, A] (local expert ids, −1 = not on this rank) → Σ_pairs out [n, D] fp32."""
+        out = self.numerics.routed_experts(x, ids, weights, self.w1.weight, self.w3.weight, self.w2.weight,
+                                           self.swiglu_limit)
+        if out is not None:
+            return out
         n, A = ids.shape
         token = torch.arange(n, device=x.device).repeat_interleave(A)
         expert, w = ids.flatten(), weights.flatten()

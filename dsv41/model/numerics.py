@@ -37,10 +37,16 @@ One frozen object, built from the runtime config and passed to every module (STY
     run in NumPy (hyper.py): Sinkhorn's 120 steps on 4×4 matrices cost a fixed ~4 µs each as torch
     ops, ~1.3 µs as NumPy ones.
   Both sum in another order than the default path, which fast numerics with BLAS kernels allow.
-- `native` (reference numerics with invariant kernels on the CPU, set by `for_device` where the C
-  library builds: `native/`, docs/NUMERICS.md N11): quantised GEMMs of at most `NATIVE_MAX_ROWS`
-  activation rows per weight, and every activation quantisation before one, run in C from the stored
-  bytes, with the torch path's bits exactly (exact block sums), so it may mix with it freely.
+- `native` (on the CPU, set by `for_device` where the C library builds: `native/`):
+  - reference numerics with invariant kernels (docs/NUMERICS.md N11, N13): quantised GEMMs of at most
+    `NATIVE_MAX_ROWS` activation rows per weight, and every activation quantisation before one, run in
+    C from the stored bytes, with the torch path's bits exactly (exact block sums), so it may mix with
+    it freely; so do the float64 products of at most `NATIVE_GEMV_ROWS` rows (`linear`: the head, the
+    hyper-connection mixes; wo_a's groups), as exact products summed in double;
+  - fast numerics with BLAS kernels (N12): products of at most `NATIVE_GEMV_ROWS` rows with a bf16
+    weight (linears, the held experts, wo_a's groups), and the routed experts of at most
+    `NATIVE_EXPERT_PAIRS` (token, expert) pairs, run in C, one pass over each weight, outside autograd
+    only (the kernels have no backward).
 """
 
 from __future__ import annotations
@@ -76,6 +82,16 @@ BLOCK_PARTIALS_ELEMENTS = 1 << 23
 # process, alternating: a batch-16 decode step 588 ms at 4, 649 at 16, 858 without it; a 128-token
 # prefill 1.51 s at 4, 1.78 at 16, 1.64 without it.
 NATIVE_MAX_ROWS = 4
+# Most activation rows fast numerics' native product takes per weight (docs/NUMERICS.md N12): ~8 µs
+# per call against torch's 26–33 µs for a bf16 decode-sized weight; past a few rows oneDNN's blocked
+# kernel catches up.
+NATIVE_GEMV_ROWS = 4
+# Most rows whose hyper-connection mixes run natively: past them torch's ops over all rows at once
+# (hyper.py's positions-innermost Sinkhorn) cost less than a row at a time.
+NATIVE_MIX_ROWS = 64
+# Most (token, expert) pairs fast numerics' native routed experts take in one call (a batch of
+# decode rows): past it a prefill's experts have enough rows each for the BLAS.
+NATIVE_EXPERT_PAIRS = 128
 
 
 @dataclass(frozen=True)
@@ -97,10 +113,11 @@ class Numerics:
             # the grouped GEMM sums in its own order: only fast numerics with BLAS kernels may take it
             raise ConfigError(f"the grouped expert GEMM needs fast numerics with BLAS kernels, not "
                               f"{self.mode}/{self.kernels}")
-        if self.native and not (self.quantized and self.invariant):
-            # the C kernel sums each block exactly: the bits of invariant kernels, not the BLAS's
-            raise ConfigError(f"the native blockwise GEMM computes reference numerics with invariant kernels, "
-                              f"not {self.mode}/{self.kernels}")
+        if self.native and self.quantized != self.invariant:
+            # the blockwise GEMM sums each block exactly (the bits of invariant kernels); the dense
+            # product sums in its own order (fast numerics' licence): neither fits a mixed policy
+            raise ConfigError(f"the native kernels compute reference numerics with invariant kernels or fast "
+                              f"numerics with BLAS kernels, not {self.mode}/{self.kernels}")
         if self.cpu_kernels and (self.quantized or self.invariant):
             raise ConfigError(f"the CPU kernels sum in their own order: fast numerics with BLAS kernels only, "
                               f"not {self.mode}/{self.kernels}")
@@ -116,7 +133,7 @@ class Numerics:
         """The policy of a model on `device`: kernels as given (None: `default`); reference numerics with
         invariant kernels on the CPU take the native blockwise GEMM where it builds; when fast numerics
         run BLAS kernels, the grouped expert GEMM on accelerators in bf16 (their grouped kernels take
-        bf16) and the CPU kernels on the CPU."""
+        bf16) and the CPU kernels on the CPU, with the native dense product where it builds."""
         policy = cls.default(mode) if kernels is None else cls(mode, kernels)
         kind = torch.device(device).type
         if policy.quantized and policy.invariant and kind == "cpu" and native.available():
@@ -124,7 +141,7 @@ class Numerics:
         if policy.quantized or policy.invariant:
             return policy
         if kind == "cpu":
-            return cls(policy.mode, policy.kernels, cpu_kernels=True)
+            return cls(policy.mode, policy.kernels, cpu_kernels=True, native=native.available())
         if kind != "meta" and dtype == "bfloat16":
             return cls(policy.mode, policy.kernels, "grouped")
         return policy
@@ -233,6 +250,10 @@ class Numerics:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ weight [N, K]ᵀ in x's dtype (fp32 or bf16 operands of one dtype)."""
+        if self._native_product(x, weight):
+            out = native.linear(x, weight, exact=self.invariant)
+            if out is not None:
+                return out
         if not self.invariant:
             return F.linear(x, weight)
         rows = max(1, FLOAT64_CHUNK_ELEMENTS // max(weight.shape[1], 1))
@@ -249,14 +270,88 @@ class Numerics:
         result): BLAS kernels write in place, without a temporary and a copy."""
         if self.invariant:
             out.copy_(self.linear(x, weight_t.t()))
-        else:
+        elif not (self._native_product(x, weight_t) and native.gemv(x, weight_t.t(), out, exact=False)):
             torch.mm(x, weight_t, out=out)
 
     def einsum(self, equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """A two-operand einsum in a's dtype (the attention, index-score and wo_a products)."""
+        """A two-operand einsum in a's dtype (the attention and index-score products, wo_a's fallback)."""
         if not self.invariant:
             return torch.einsum(equation, a, b.to(a.dtype))
         return _round(torch.einsum(equation, a.double(), b.double()), a.dtype)
+
+    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [B, T, G, I] through group g's own weight [G, R, I] → [B, T, G, R] in x's dtype (wo_a, §11.8)."""
+        if self._native_product(x, weight):
+            flat = x.reshape(-1, *x.shape[-2:])                                   # [M, G, I]
+            out = x.new_empty(flat.shape[0], weight.shape[0], weight.shape[1])    # [M, G, R]
+            if native.gemv(flat.transpose(0, 1), weight, out.transpose(0, 1), exact=self.invariant):
+                return out.view(*x.shape[:-1], weight.shape[1])
+        return self.einsum("btgi,gri->btgr", x, weight)
+
+    def routed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                       w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor | None:
+        """Fast numerics' native routed experts of a few tokens (moe.py `RoutedExperts`, held banks):
+        fp32 [n, D], or None where the policy leaves them to the layer's torch path."""
+        if not (self.native and not self.quantized and x.device.type == "cpu" and ids.numel() <= NATIVE_EXPERT_PAIRS):
+            return None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w1, w3, w2)):
+            return None
+        return native.routed_experts(x, ids, weights, w1, w3, w2, limit)
+
+    def split_mixes(self, m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, streams: int, iters: int,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The hyper-connection mixes of at most `NATIVE_MIX_ROWS` rows in one native call (hyper.py
+        `split_mixes`; docs/NUMERICS.md N13): the bits of the reference-order torch path under
+        invariant kernels, fast numerics' choice too. None where the policy leaves them to hyper.py."""
+        if not (self.native and m.device.type == "cpu" and m.shape[:-1].numel() <= NATIVE_MIX_ROWS):
+            return None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (m, scale, base)):
+            return None
+        return native.split_mixes(m, scale, base, streams, iters, eps)
+
+    def hc_collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor | None:
+        """hyper.py `collapse` (hc_pre) of at most `NATIVE_MIX_ROWS` rows in one native call, with its
+        bits (docs/NUMERICS.md N13); None where the policy leaves it to hyper.py."""
+        if not self._native_mix(x, pre):
+            return None
+        return native.hc_collapse(x, pre)
+
+    def hc_expand(self, out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                  comb: torch.Tensor) -> torch.Tensor | None:
+        """hyper.py `expand` (hc_post) likewise: the reference order's bits, fast numerics' choice too."""
+        if not self._native_mix(residual, out, post, comb):
+            return None
+        return native.hc_expand(out, residual, post, comb)
+
+    def rope(self, x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor | None:
+        """rope.py `Rotary.rotate` of at most `NATIVE_MIX_ROWS` positions in one native call, with its
+        bits (docs/NUMERICS.md N13): phases complex64 [B or 1, T, R/2], conjugated for the inverse; None
+        where the policy leaves it to rope.py."""
+        if not (self.native and x.device.type == "cpu" and x.shape[:2].numel() <= NATIVE_MIX_ROWS):
+            return None
+        if torch.is_grad_enabled() and x.requires_grad:
+            return None
+        return native.rope(x, phases)
+
+    def _native_mix(self, x: torch.Tensor, *others: torch.Tensor) -> bool:
+        """x [..., S, D]: few rows on the CPU, at most 4 streams, no autograd recording."""
+        if not (self.native and x.device.type == "cpu" and x.shape[-2] <= 4
+                and x.shape[:-2].numel() <= NATIVE_MIX_ROWS):
+            return False
+        return not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *others)))
+
+    def _native_product(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether the native dense product takes x (rows of the last dim) against `weight`: few rows, on
+        the CPU, operands of one dtype, and no autograd to record (the kernel has no backward). Fast
+        numerics take it for bf16 weights only (MKL's fp32 GEMV is as fast here); invariant kernels for
+        bf16 and fp32, with exact products summed in double (`native.gemv(exact=True)`)."""
+        if not self.native or weight.dtype != x.dtype or x.device.type != "cpu":
+            return False
+        if x.dtype != torch.bfloat16 and not (self.invariant and x.dtype == torch.float32):
+            return False
+        if x.numel() > NATIVE_GEMV_ROWS * x.shape[-1] * (weight.shape[0] if weight.dim() == 3 else 1):
+            return False
+        return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
 
     def activation_einsum(self, equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """`einsum` of two activations (no weight), which the CPU kernels compute from fp32 copies."""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from .numerics import Numerics
 
 
 def yarn_frequencies(rope_dim: int, theta: float, original_seq_len: int, factor: float,
@@ -36,24 +37,25 @@ def yarn_frequencies(rope_dim: int, theta: float, original_seq_len: int, factor:
 
 
 class Rotary(nn.Module):
-    """One rotary table (its frequencies); `rotate` applies it at given absolute positions."""
+    """One rotary table (its frequencies); `rotate` applies it at given absolute positions, through the
+    numerics policy's native kernel where it takes the call (the same bits)."""
 
-    def __init__(self, rope_dim: int, freqs: torch.Tensor):
+    def __init__(self, rope_dim: int, freqs: torch.Tensor, numerics: Numerics | None = None):
         super().__init__()
-        self.rope_dim = rope_dim
+        self.rope_dim, self.numerics = rope_dim, numerics
         self.register_buffer("freqs", freqs, persistent=False)
         # equal for every layer with the same table: a forward computes their phases once (step.Handoff)
         self.table_key = (rope_dim, tuple(freqs.tolist()))
 
     @classmethod
-    def for_layer(cls, cfg: ModelConfig, compressed: bool) -> "Rotary":
+    def for_layer(cls, cfg: ModelConfig, compressed: bool, numerics: Numerics | None = None) -> "Rotary":
         """The one table of a layer: θ = compress_rope_theta with YaRN for r > 0, else θ = rope_theta."""
         if compressed:
             freqs = yarn_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.original_seq_len,
                                      cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
         else:
             freqs = yarn_frequencies(cfg.rope_head_dim, cfg.rope_theta, 0, 1.0, 0.0, 0.0)
-        return cls(cfg.rope_head_dim, freqs)
+        return cls(cfg.rope_head_dim, freqs, numerics)
 
     def phases(self, positions: torch.Tensor) -> torch.Tensor:
         """complex64 [..., R/2] = exp(i · fp32(p) · ω) for positions of any shape."""
@@ -70,6 +72,10 @@ class Rotary(nn.Module):
         if inverse:
             phases = phases.conj()
         lead = list(positions.shape) if positions.dim() == 2 else [1, positions.numel()]
+        if self.numerics is not None:
+            rotated = self.numerics.rope(x, phases.view(*lead, -1))
+            if rotated is not None:
+                return rotated
         shape = lead + [1] * (x.dim() - 3) + [self.rope_dim // 2]
         tail = torch.view_as_complex(x[..., -self.rope_dim:].float().unflatten(-1, (-1, 2)).contiguous())
         rotated = torch.view_as_real(tail * phases.view(shape)).flatten(-2).to(x.dtype)

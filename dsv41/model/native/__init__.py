@@ -1,4 +1,4 @@
-"""A C kernel for the quantised blockwise GEMM at decode sizes, built on first use (docs/NUMERICS.md N11).
+"""C kernels for a decode step's small operations, built on first use (docs/NUMERICS.md N11–N13).
 
 Shapes: P pairs (one weight each; 1 for a plain Linear), M activation rows, K reduction width, N outputs.
 
@@ -6,8 +6,19 @@ Shapes: P pairs (one weight each; 1 for a plain Linear), M activation rows, K re
 fp8 / fp4 bytes: each block's 32 products summed exactly (fp8 in double lanes, fp4 in int32), rounded
 once to fp32, scaled and accumulated in K order: the bits of `Numerics.block_scaled_matmul`'s invariant
 path, without decoding the weight into a tensor first. It also quantises a GEMM's activations in one
-pass (`fp8_act_quant`, the bytes and scales of `formats.fp8_act_quant`). The torch path decodes every weight byte by a table lookup into a new
-tensor and then multiplies it: at a decode step that is several passes over memory per weight.
+pass (`fp8_act_quant`, the bytes and scales of `formats.fp8_act_quant`). The torch path decodes every
+weight byte by a table lookup into a new tensor and then multiplies it: at a decode step that is
+several passes over memory per weight.
+
+`gemv.c` multiplies a few rows by a bf16 or fp32 weight in one pass over it (`gemv`): fast numerics'
+fp32 sums in its own order, where torch's bf16 GEMM (oneDNN) costs ~20–40 µs per call beyond reading
+the weight, or (`exact`) the invariant kernels' float64 product without a float64 copy of the weight.
+It also runs fast numerics' routed experts of a few tokens in one call (`routed_experts`).
+`mixes.c` computes the hyper-connection mixes with Sinkhorn (`split_mixes`) with the bits of the
+reference-order torch path, in one call instead of ~90 torch operations.
+
+Threads come from OpenMP, which loads as torch's own copy of the runtime (the same soname), so a call
+joins torch's warm pool (~1 µs) instead of starting threads.
 
 The library is compiled with the system's C compiler into a cache folder (`$DSV41_CACHE`, else
 `$XDG_CACHE_HOME/dsv41`, else `~/.cache/dsv41`), keyed by the source, the flags and this machine's
@@ -31,11 +42,17 @@ import torch
 
 from .. import formats
 
-SOURCE = Path(__file__).with_name("blockgemm.c")
-# Products (P·M·N·K) below which a call runs on one thread: starting a thread here costs 60–100 µs,
-# about what one thread spends on a 256 × 512 weight for one row.
-THREAD_FROM = 1 << 20
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-pthread")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("blockgemm.c", "gemv.c", "mixes.c", "rope.c"))
+# Products (P·M·N·K) below which a block GEMM runs on one thread (OpenMP's warm pool costs ~1 µs to
+# join; one thread sums ~2¹⁵ products in ~30 µs).
+THREAD_FROM = 1 << 15
+# Weight values (P·N·K) below which `gemv` runs on one thread: joining OpenMP's warm pool costs ~1 µs,
+# what one thread spends on ~16K bf16 weights.
+GEMV_THREAD_FROM = 1 << 15
+# Most activation rows `gemv` takes (gemv.c MAX_ROWS).
+GEMV_MAX_ROWS = 8
+# -ffp-contract=off keeps blockgemm.c's fp32 steps unfused (its bits); gemv.c fuses by intrinsics.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-fopenmp")
 
 
 def cache_dir() -> Path:
@@ -56,12 +73,13 @@ def _cpu_identity() -> str:
 
 
 def library_path() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_identity().encode()).hexdigest()[:16]
-    return cache_dir() / f"blockgemm-{key}.so"
+    code = b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(code + " ".join(FLAGS).encode() + _cpu_identity().encode()).hexdigest()[:16]
+    return cache_dir() / f"dsv41-native-{key}.so"
 
 
 def build(target: Path) -> None:
-    """Compile `blockgemm.c` into `target` (written under a temporary name, then renamed: two processes
+    """Compile the sources into `target` (written under a temporary name, then renamed: two processes
     building at once both end with a whole library). Raises OSError or CalledProcessError."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -70,7 +88,7 @@ def build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -86,6 +104,21 @@ def load(path: Path) -> ctypes.CDLL:
     quant = lib.dsv41_fp8_act_quant
     quant.restype = None
     quant.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 2
+    gemv = lib.dsv41_gemv
+    gemv.restype = ctypes.c_int
+    gemv.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 3
+    mixes = lib.dsv41_split_mixes
+    mixes.restype = ctypes.c_int
+    mixes.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 3
+    lib.dsv41_hc_collapse.restype = None
+    lib.dsv41_hc_collapse.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3
+    lib.dsv41_hc_expand.restype = None
+    lib.dsv41_hc_expand.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 5
+    lib.dsv41_rope.restype = None
+    lib.dsv41_rope.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 3
+    experts = lib.dsv41_routed_experts
+    experts.restype = ctypes.c_int
+    experts.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 7
     return lib
 
 
@@ -152,3 +185,136 @@ def fp8_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     lib.dsv41_fp8_act_quant(flat.shape[0], flat.shape[1], flat.data_ptr(), formats.ACT_AMAX_FLOOR,
                             formats.INV_FP8_MAX_F32, q.data_ptr(), scale.data_ptr())
     return q.view(torch.float8_e4m3fn).view(x.shape), scale.view(*x.shape[:-1], -1)
+
+
+_GEMV_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, exact: bool = False) -> bool:
+    """out [P, M, N] = x [P, M, K] · w [P, N, K]ᵀ per pair (or one pair: [M, K], [N, K], [M, N]), for
+    CPU tensors of bf16 or fp32 with unit innermost strides (any others: views are read and written in
+    place): fp32 sums, or with `exact` exact products summed in double and rounded once (the invariant
+    kernels' float64 product). False where the kernel is not available or does not take the call (then
+    `out` is untouched)."""
+    lib = _library()
+    if lib is None or x.stride(-1) != 1 or w.stride(-1) != 1 or out.stride(-1) != 1:
+        return False
+    if x.dtype not in _GEMV_DTYPES or w.dtype not in _GEMV_DTYPES or out.dtype not in _GEMV_DTYPES:
+        return False
+    if x.dim() == 2:
+        (M, K), N, P = x.shape, w.shape[0], 1
+        x_sp = w_sp = o_sp = 0
+        x_sm, w_sn, o_sm = x.stride(0), w.stride(0), out.stride(0)
+    else:
+        (P, M, K), N = x.shape, w.shape[1]
+        (x_sp, x_sm, _), (w_sp, w_sn, _), (o_sp, o_sm, _) = x.stride(), w.stride(), out.stride()
+    bf16 = torch.bfloat16
+    threads = torch.get_num_threads() if P * N * K >= GEMV_THREAD_FROM else 1
+    return lib.dsv41_gemv(P, M, N, K, x.dtype == bf16, w.dtype == bf16, out.dtype == bf16, exact, threads,
+                          x.data_ptr(), x_sp, x_sm, w.data_ptr(), w_sp, w_sn, out.data_ptr(), o_sp, o_sm) == 0
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> torch.Tensor | None:
+    """x [..., K] · w [N, K]ᵀ → [..., N] in x's dtype: `gemv` of a contiguous x with one weight, without
+    the views (each torch call here costs about a microsecond of a ~10 µs product). None where the
+    kernel does not take the call."""
+    lib = _library()
+    if lib is None or not x.is_contiguous() or w.stride(-1) != 1:
+        return None
+    if x.dtype not in _GEMV_DTYPES or w.dtype not in _GEMV_DTYPES:
+        return None
+    N, K = w.shape
+    out = x.new_empty(*x.shape[:-1], N)
+    bf16 = torch.bfloat16
+    threads = torch.get_num_threads() if N * K >= GEMV_THREAD_FROM else 1
+    status = lib.dsv41_gemv(1, x.numel() // K, N, K, x.dtype == bf16, w.dtype == bf16, x.dtype == bf16, exact,
+                            threads, x.data_ptr(), 0, K, w.data_ptr(), 0, w.stride(0), out.data_ptr(), 0, N)
+    return out if status == 0 else None
+
+
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                   w2: torch.Tensor, limit: float) -> torch.Tensor | None:
+    """Σ over each token's chosen experts of w2 · (SwiGLU(w1 · x, w3 · x) · weight), fp32 [n, D], for CPU
+    tensors: x [n, D], ids [n, A] (negative: not this rank's), weights [n, A], banks w1, w3 [E, I, D] and
+    w2 [E, D, I] of one dtype (bf16 or fp32), held contiguous. None where the kernel is not available or
+    does not take the call."""
+    lib = _library()
+    if lib is None or not all(w.is_contiguous() and w.dtype == w1.dtype for w in (w1, w3, w2)):
+        return None
+    if w1.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    x = x.contiguous() if x.dtype in (torch.bfloat16, torch.float32) else x.float().contiguous()
+    ids, weights = ids.to(torch.int64).contiguous(), weights.float().contiguous()
+    (n, A), (E, I, D) = ids.shape, w1.shape
+    out = torch.empty(n, D, dtype=torch.float32)
+    threads = torch.get_num_threads() if n * A * I * D >= GEMV_THREAD_FROM else 1
+    status = lib.dsv41_routed_experts(n, A, E, D, I, w1.dtype == torch.bfloat16, x.dtype == torch.bfloat16,
+                                      limit, threads, x.data_ptr(), ids.data_ptr(), weights.data_ptr(),
+                                      w1.data_ptr(), w3.data_ptr(), w2.data_ptr(), out.data_ptr())
+    return out if status == 0 else None
+
+
+def split_mixes(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, streams: int, iters: int,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """hyper.py `split_mixes` of fp32 CPU tensors in one call (mixes.c): m [..., (2 + S)·S] → pre
+    [..., S], post [..., S], comb [..., S, S]; None where the kernel is not available or does not take
+    the call (more than 4 streams)."""
+    lib = _library()
+    if lib is None or m.dtype != torch.float32:
+        return None
+    lead, S = m.shape[:-1], streams
+    flat = m.reshape(-1, m.shape[-1]).contiguous()
+    scale, base = scale.float().contiguous(), base.float().contiguous()
+    pre, post = torch.empty(*lead, S), torch.empty(*lead, S)
+    comb = torch.empty(*lead, S, S)
+    status = lib.dsv41_split_mixes(flat.shape[0], S, iters, flat.data_ptr(), scale.data_ptr(), base.data_ptr(),
+                                   eps, pre.data_ptr(), post.data_ptr(), comb.data_ptr())
+    return (pre, post, comb) if status == 0 else None
+
+
+def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor | None:
+    """hyper.py `collapse` of CPU tensors (mixes.c): x [..., S, D] bf16 or fp32, pre [..., S] fp32 →
+    [..., D] in x's dtype; None where the kernel is not available."""
+    lib = _library()
+    if lib is None or x.dtype not in _GEMV_DTYPES:
+        return None
+    x, pre = x.contiguous(), pre.float().contiguous()
+    S, D = x.shape[-2:]
+    out = x.new_empty(*x.shape[:-2], D)
+    lib.dsv41_hc_collapse(pre.numel() // S, S, D, x.dtype == torch.bfloat16, x.data_ptr(), pre.data_ptr(),
+                          out.data_ptr())
+    return out
+
+
+def hc_expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor | None:
+    """hyper.py `expand` of CPU tensors (mixes.c): out [..., D], residual [..., S, D] of one dtype (bf16
+    or fp32), post [..., S], comb [..., S, S] fp32 → [..., S, D]; None where the kernel is not available."""
+    lib = _library()
+    if lib is None or out.dtype not in _GEMV_DTYPES or residual.dtype != out.dtype:
+        return None
+    out, residual = out.contiguous(), residual.contiguous()
+    post, comb = post.float().contiguous(), comb.float().contiguous()
+    S, D = residual.shape[-2:]
+    streams = residual.new_empty(residual.shape)
+    lib.dsv41_hc_expand(post.numel() // S, S, D, out.dtype == torch.bfloat16, out.data_ptr(), residual.data_ptr(),
+                        post.data_ptr(), comb.data_ptr(), streams.data_ptr())
+    return streams
+
+
+def rope(x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor | None:
+    """rope.py `Rotary.rotate` of a CPU tensor (rope.c): x [B, T, (heads,) F] bf16 or fp32, phases
+    complex64 [B or 1, T, R/2] (conjugated for the inverse) → x's last R features rotated, in x's dtype;
+    None where the kernel is not available or does not take the call."""
+    lib = _library()
+    if lib is None or x.dtype not in _GEMV_DTYPES or phases.dtype != torch.complex64 or x.dim() not in (3, 4):
+        return None
+    B, T, F = x.shape[0], x.shape[1], x.shape[-1]
+    PB, R = phases.shape[0], 2 * phases.shape[-1]
+    if phases.shape[1] != T or PB not in (1, B):
+        return None
+    x = x.contiguous()
+    table = torch.view_as_real(phases.resolve_conj()).contiguous()
+    out = torch.empty_like(x)
+    lib.dsv41_rope(B, T, x.shape[2] if x.dim() == 4 else 1, F, R, PB, x.dtype == torch.bfloat16,
+                   x.data_ptr(), table.data_ptr(), out.data_ptr())
+    return out

@@ -22,7 +22,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <pthread.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 #if defined(__SSSE3__)
 #include <immintrin.h>
 #endif
@@ -114,16 +116,9 @@ static void run_rows(const Job *job) {
     }
 }
 
-static void *run_thread(void *arg) {
-    run_rows((const Job *)arg);
-    return NULL;
-}
-
-#define MAX_THREADS 64
-
 /* P pairs, each [M, K] activations (q, e4m3 bytes) through its own [N, K] weight, into out [P, M, N];
- * the P·N output rows are split over `threads` threads. Returns 0, or -1 if memory or a thread could
- * not be had (nothing is then promised about out; the caller takes the torch path). */
+ * the P·N output rows are split over `threads` OpenMP threads (torch's pool: native/__init__.py).
+ * Returns 0, or -1 if memory could not be had (nothing is then written; the caller takes the torch path). */
 int dsv41_block_gemm(int64_t P, int64_t M, int64_t N, int64_t K, int fp4, int threads,
                      const uint8_t *q, const float *qs, const uint8_t *w, const float *ws,
                      const float *e4m3, const int32_t *e4m3_int, const int8_t *e2m1_int, float *out) {
@@ -137,24 +132,21 @@ int dsv41_block_gemm(int64_t P, int64_t M, int64_t N, int64_t K, int fp4, int th
         else act[i] = e4m3[q[i]];
     }
     if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > P * N) threads = (int)(P * N);
-    Job jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    for (int t = 0; t < threads; t++) {
-        Job job = {M, N, K, P * N * t / threads, P * N * (t + 1) / threads, fp4, qs, w, ws, act, act_int,
-                   e4m3, e2m1_int, out};
-        jobs[t] = job;
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t t = 0, nt = 1;
+#if defined(_OPENMP)
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        const Job job = {M, N, K, P * N * t / nt, P * N * (t + 1) / nt, fp4, qs, w, ws, act, act_int,
+                         e4m3, e2m1_int, out};
+        run_rows(&job);
     }
-    int started = 1, status = 0;
-    for (; started < threads; started++) {
-        if (pthread_create(&ids[started], NULL, run_thread, &jobs[started]) != 0) { status = -1; break; }
-    }
-    run_rows(&jobs[0]);
-    for (int t = 1; t < started; t++) pthread_join(ids[t], NULL);
     free(act);
     free(act_int);
-    return status;
+    return 0;
 }
 
 /* §6.3 point #1, formats.fp8_act_quant for rows of fp32 x [rows, K]: per 32-wide block the scale

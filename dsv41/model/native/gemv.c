@@ -1,0 +1,308 @@
+/* Dense products at decode sizes: a few activation rows against a weight held in bf16 or fp32
+ * (dsv41/model/native/__init__.py builds and calls it; docs/NUMERICS.md N12, N13).
+ *
+ * out[p, m, n] = Σ_k x[p, m, k] · w[p, n, k]
+ *   fast:  fp32 fused multiply-adds, summed in this kernel's own order (fast numerics' licence);
+ *   exact: every product in double, where it is exact (24 + 24 significant bits < 53), summed in
+ *          double and rounded once to fp32: the invariant kernels' float64 product (numerics.py
+ *          `linear`), which gives the same fp32 result in any summation order (NUMERICS.md N1).
+ *
+ * A decode step's GEMMs have one row (a few at small batches), so their cost is reading the weight
+ * once: this loop streams each weight row through multiply-adds against every activation row, where
+ * torch's bf16 path (oneDNN) spends ~40 µs of fixed cost per call beyond the read and the float64
+ * path first writes a float64 copy of the weight.
+ * Every operand is addressed by strides in elements (the innermost stride is 1): a row slice of a
+ * result, one expert of a stacked bank or a grouped einsum's operand is read and written in place.
+ * bf16 inputs widen exactly (the upper half of a float); a bf16 output rounds once from the fp32
+ * result, to nearest even, as torch's cast does (NaN stays NaN).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define MAX_ROWS 8
+
+typedef struct {
+    int64_t P, M, N, K;
+    int w_bf16, out_bf16, exact;
+    const void *x;           /* [P, M, K] activations, contiguous: fp32, or double when exact */
+    const void *w;
+    int64_t w_sp, w_sn;
+    void *out;
+    int64_t o_sp, o_sm;
+} Gemv;
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);   /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* One weight row (K values from `w`, bf16 or fp32) against M fp32 activation rows x[m * K …]: acc[m]. */
+static void row_dot(const float *x, int64_t M, int64_t K, const void *w, int w_bf16, float *acc) {
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    __m512 s[MAX_ROWS][2];
+    for (int64_t m = 0; m < M; m++) s[m][0] = s[m][1] = _mm512_setzero_ps();
+    for (; k + 32 <= K; k += 32) {
+        __m512 v0, v1;
+        if (w_bf16) {
+            const uint16_t *wb = (const uint16_t *)w + k;
+            v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)wb)), 16));
+            v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wb + 16))), 16));
+        } else {
+            v0 = _mm512_loadu_ps((const float *)w + k);
+            v1 = _mm512_loadu_ps((const float *)w + k + 16);
+        }
+        for (int64_t m = 0; m < M; m++) {
+            s[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), v0, s[m][0]);
+            s[m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k + 16), v1, s[m][1]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm512_reduce_add_ps(_mm512_add_ps(s[m][0], s[m][1]));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 s[MAX_ROWS][2];
+    for (int64_t m = 0; m < M; m++) s[m][0] = s[m][1] = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+        __m256 v0, v1;
+        if (w_bf16) {
+            const uint16_t *wb = (const uint16_t *)w + k;
+            v0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)wb)), 16));
+            v1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wb + 8))), 16));
+        } else {
+            v0 = _mm256_loadu_ps((const float *)w + k);
+            v1 = _mm256_loadu_ps((const float *)w + k + 8);
+        }
+        for (int64_t m = 0; m < M; m++) {
+            s[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), v0, s[m][0]);
+            s[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), v1, s[m][1]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        __m256 t = _mm256_add_ps(s[m][0], s[m][1]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        acc[m] = _mm_cvtss_f32(h);
+    }
+#else
+    for (int64_t m = 0; m < M; m++) acc[m] = 0.0f;
+#endif
+    for (; k < K; k++) {
+        float v = w_bf16 ? bf16_to_float(((const uint16_t *)w)[k]) : ((const float *)w)[k];
+        for (int64_t m = 0; m < M; m++) acc[m] += x[m * K + k] * v;
+    }
+}
+
+/* `row_dot` with every product exact in double and the sum in double (one rounding to fp32 after). */
+static void row_dot_exact(const double *x, int64_t M, int64_t K, const void *w, int w_bf16, float *acc) {
+    double sum[MAX_ROWS];
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    __m512d s[MAX_ROWS][2];
+    for (int64_t m = 0; m < M; m++) s[m][0] = s[m][1] = _mm512_setzero_pd();
+    for (; k + 16 <= K; k += 16) {
+        __m512 v;
+        if (w_bf16)
+            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k))), 16));
+        else
+            v = _mm512_loadu_ps((const float *)w + k);
+        const __m512d v0 = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+        const __m512d v1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        for (int64_t m = 0; m < M; m++) {
+            s[m][0] = _mm512_fmadd_pd(_mm512_loadu_pd(x + m * K + k), v0, s[m][0]);
+            s[m][1] = _mm512_fmadd_pd(_mm512_loadu_pd(x + m * K + k + 8), v1, s[m][1]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) sum[m] = _mm512_reduce_add_pd(_mm512_add_pd(s[m][0], s[m][1]));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256d s[MAX_ROWS][2];
+    for (int64_t m = 0; m < M; m++) s[m][0] = s[m][1] = _mm256_setzero_pd();
+    for (; k + 8 <= K; k += 8) {
+        __m256 v;
+        if (w_bf16)
+            v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + k))), 16));
+        else
+            v = _mm256_loadu_ps((const float *)w + k);
+        const __m256d v0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), v1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        for (int64_t m = 0; m < M; m++) {
+            s[m][0] = _mm256_fmadd_pd(_mm256_loadu_pd(x + m * K + k), v0, s[m][0]);
+            s[m][1] = _mm256_fmadd_pd(_mm256_loadu_pd(x + m * K + k + 4), v1, s[m][1]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        __m256d t = _mm256_add_pd(s[m][0], s[m][1]);
+        __m128d h = _mm_add_pd(_mm256_castpd256_pd128(t), _mm256_extractf128_pd(t, 1));
+        sum[m] = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+    }
+#else
+    for (int64_t m = 0; m < M; m++) sum[m] = 0.0;
+#endif
+    for (; k < K; k++) {
+        const double v = w_bf16 ? bf16_to_float(((const uint16_t *)w)[k]) : ((const float *)w)[k];
+        for (int64_t m = 0; m < M; m++) sum[m] += x[m * K + k] * v;
+    }
+    for (int64_t m = 0; m < M; m++) acc[m] = (float)sum[m];
+}
+
+/* Output rows n0 … n1 of pair p. */
+static void run_rows(const Gemv *g, int64_t p, int64_t n0, int64_t n1) {
+    const size_t ww = g->w_bf16 ? 2 : 4, ow = g->out_bf16 ? 2 : 4;
+    float acc[MAX_ROWS];
+    for (int64_t n = n0; n < n1; n++) {
+        const void *row = (const char *)g->w + (p * g->w_sp + n * g->w_sn) * ww;
+        if (g->exact) row_dot_exact((const double *)g->x + p * g->M * g->K, g->M, g->K, row, g->w_bf16, acc);
+        else row_dot((const float *)g->x + p * g->M * g->K, g->M, g->K, row, g->w_bf16, acc);
+        for (int64_t m = 0; m < g->M; m++) {
+            char *dst = (char *)g->out + (p * g->o_sp + m * g->o_sm + n) * ow;
+            if (g->out_bf16) *(uint16_t *)dst = float_to_bf16(acc[m]);
+            else *(float *)dst = acc[m];
+        }
+    }
+}
+
+/* Rows of every pair split into `threads` equal spans of the P·N output rows. Returns 0, or -1 when
+ * the shape is outside what this kernel takes (the caller then uses torch). */
+int dsv41_gemv(int64_t P, int64_t M, int64_t N, int64_t K, int x_bf16, int w_bf16, int out_bf16, int exact,
+               int threads, const void *x, int64_t x_sp, int64_t x_sm, const void *w, int64_t w_sp, int64_t w_sn,
+               void *out, int64_t o_sp, int64_t o_sm) {
+    if (M < 1 || M > MAX_ROWS || K < 1 || P < 1 || N < 1 || threads < 1) return -1;
+    /* the activations widened once into one contiguous copy (P·M·K values: a few KB), fp32 or double */
+    void *xf = malloc((size_t)(P * M * K) * (exact ? sizeof(double) : sizeof(float)));
+    if (xf == NULL) return -1;
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t m = 0; m < M; m++) {
+            const int64_t at = p * x_sp + m * x_sm, to = (p * M + m) * K;
+            for (int64_t k = 0; k < K; k++) {
+                const float v = x_bf16 ? bf16_to_float(((const uint16_t *)x)[at + k]) : ((const float *)x)[at + k];
+                if (exact) ((double *)xf)[to + k] = v;
+                else ((float *)xf)[to + k] = v;
+            }
+        }
+    Gemv g = {P, M, N, K, w_bf16, out_bf16, exact, xf, w, w_sp, w_sn, out, o_sp, o_sm};
+    const int64_t total = P * N;
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int t = 0, nt = 1;
+#if defined(_OPENMP)
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        const int64_t begin = total * t / nt, end = total * (t + 1) / nt;
+        for (int64_t r = begin; r < end;) {
+            const int64_t p = r / N, n0 = r % N;
+            const int64_t n1 = (end - p * N) < N ? end - p * N : N;
+            run_rows(&g, p, n0, n1);
+            r = p * N + n1;
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+/* The routed experts of a few tokens (moe.py `RoutedExperts`), fast numerics: every (token, expert)
+ * pair's SwiGLU, its routing weight and its down projection, summed per token in ascending expert
+ * order, in one call instead of a sort, a gather and three products per expert as torch ops.
+ *
+ * ids [n, A] local expert ids (negative: another rank's, skipped), weights [n, A] fp32; x [n, D];
+ * w1, w3 [E, I, D] and w2 [E, D, I] one dtype (bf16 or fp32); out [n, D] fp32. As the torch path does:
+ * the hidden h = silu(min(g, limit)) · clamp(u, ±limit) · weight (limit ≤ 0: no clamp) and each pair's
+ * output round to the banks' dtype; the products sum in this kernel's own order. Pairs of one expert
+ * run together, up to MAX_ROWS at a time, so each chosen expert's weights are read once.
+ * Returns 0, or -1 (an id of E or more, or an allocation failed; `out` untouched).
+ */
+static inline float round_to(float v, int bf16) {
+    return bf16 ? bf16_to_float(float_to_bf16(v)) : v;
+}
+
+int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, int w_bf16, int x_bf16, float limit, int threads,
+                         const void *x, const int64_t *ids, const float *weights,
+                         const void *w1, const void *w3, const void *w2, float *out) {
+    const int64_t pairs_max = n * A;
+    for (int64_t q = 0; q < pairs_max; q++)
+        if (ids[q] >= E) return -1;
+    const size_t ww = w_bf16 ? 2 : 4;
+    int64_t *pair = malloc((size_t)pairs_max * 2 * sizeof(int64_t));     /* sorted (expert, token) */
+    int64_t *group = malloc((size_t)(pairs_max + 1) * sizeof(int64_t));  /* first pair of each group */
+    float *xg = malloc((size_t)(pairs_max * (D + 2 * I + D) + 1) * sizeof(float));
+    if (pair == NULL || group == NULL || xg == NULL) {
+        free(pair); free(group); free(xg);
+        return -1;
+    }
+    int64_t P = 0;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t a = 0; a < A; a++) {
+            const int64_t e = ids[t * A + a];
+            if (e < 0) continue;
+            int64_t j = P++;                              /* insertion: pairs stay sorted by (expert, token) */
+            while (j > 0 && pair[2 * (j - 1)] > e) {
+                pair[2 * j] = pair[2 * (j - 1)];
+                pair[2 * j + 1] = pair[2 * (j - 1) + 1];
+                j--;
+            }
+            pair[2 * j] = e;
+            pair[2 * j + 1] = t * A + a;
+        }
+    int64_t G = 0;
+    for (int64_t p = 0; p < P; p++)
+        if (p == 0 || pair[2 * p] != pair[2 * (p - 1)] || p - group[G - 1] == MAX_ROWS) group[G++] = p;
+    group[G] = P;
+    float *gate = xg + P * D, *up = gate + P * I, *y = up + P * I;
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t t = pair[2 * p + 1] / A;
+        for (int64_t d = 0; d < D; d++)
+            xg[p * D + d] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[t * D + d]) : ((const float *)x)[t * D + d];
+    }
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float acc[MAX_ROWS];
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < G * I; r++) {                /* gate and up: rows of w1 and w3 */
+            const int64_t g = r / I, i = r % I, p0 = group[g], m = group[g + 1] - p0, e = pair[2 * p0];
+            const size_t row = (size_t)(e * I + i) * D * ww;
+            row_dot(xg + p0 * D, m, D, (const char *)w1 + row, w_bf16, acc);
+            for (int64_t k = 0; k < m; k++) gate[(p0 + k) * I + i] = round_to(acc[k], w_bf16);
+            row_dot(xg + p0 * D, m, D, (const char *)w3 + row, w_bf16, acc);
+            for (int64_t k = 0; k < m; k++) up[(p0 + k) * I + i] = round_to(acc[k], w_bf16);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t q = 0; q < P * I; q++) {                /* h = SwiGLU · routing weight, rounded */
+            float g = gate[q], u = up[q];
+            if (limit > 0.0f) {
+                g = g < limit ? g : limit;
+                u = u < -limit ? -limit : (u > limit ? limit : u);
+            }
+            const float silu = g / (1.0f + expf(-g));
+            gate[q] = round_to(silu * u * weights[pair[2 * (q / I) + 1]], w_bf16);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < G * D; r++) {                /* down: rows of w2 */
+            const int64_t g = r / D, d = r % D, p0 = group[g], m = group[g + 1] - p0, e = pair[2 * p0];
+            row_dot(gate + p0 * I, m, I, (const char *)w2 + (size_t)(e * D + d) * I * ww, w_bf16, acc);
+            for (int64_t k = 0; k < m; k++) y[(p0 + k) * D + d] = round_to(acc[k], w_bf16);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t d = 0; d < D; d++) {                    /* Σ per token, experts ascending */
+            for (int64_t t = 0; t < n; t++) out[t * D + d] = 0.0f;
+            for (int64_t p = 0; p < P; p++) out[(pair[2 * p + 1] / A) * D + d] += y[p * D + d];
+        }
+    }
+    free(pair); free(group); free(xg);
+    return 0;
+}

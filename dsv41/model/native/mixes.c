@@ -1,0 +1,109 @@
+/* The hyper-connection mixes of a few rows (dsv41/model/hyper.py `split_mixes`, docs/ARCHITECTURE.md §7;
+ * docs/NUMERICS.md N13): the pre and post gates and Sinkhorn's doubly stochastic comb, from the mix
+ * projection m [rows, (2 + S) · S].
+ *
+ *   pre  = σ(m[:S] · scale0 + base[:S]) + eps
+ *   post = 2 · σ(m[S:2S] · scale1 + base[S:2S])
+ *   comb = Sinkhorn(m[2S:] · scale2 + base[2S:]), S × S: a row softmax (exp / Σ) + eps, then a column
+ *          step, then iters − 1 row and column steps, each x / (Σ + eps)
+ *
+ * with the torch path's bits under invariant kernels: every fp32 step rounds as torch's op does
+ * (built with -ffp-contract=off), σ and exp are evaluated in double and rounded once to fp32
+ * (numerics.py `_elementwise`), and a sum over S ≤ 4 values runs in index order, as torch's reduction
+ * does at that width (tests/test_native.py compares both on every row of wide-ranged logits).
+ * A decode step's mixes are a few 4 × 4 matrices: as torch ops, Sinkhorn's ~80 steps each cost a
+ * fixed few µs of dispatch; here the whole mix costs about as much as one of them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_STREAMS 4
+
+static float sigmoid(float z) {
+    return (float)(1.0 / (1.0 + exp(-(double)z)));
+}
+
+/* Σ_j c[j · stride] for j < S, in index order. */
+static float sum_in_order(const float *c, int64_t S, int64_t stride) {
+    float s = c[0];
+    for (int64_t j = 1; j < S; j++) s = s + c[j * stride];
+    return s;
+}
+
+/* Returns 0, or -1 for more streams than the summation order is known for (the caller keeps torch). */
+int dsv41_split_mixes(int64_t rows, int64_t S, int64_t iters, const float *m, const float *scale,
+                      const float *base, float eps, float *pre, float *post, float *comb) {
+    if (S < 1 || S > MAX_STREAMS || iters < 1) return -1;
+    const int64_t width = (2 + S) * S;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *mr = m + r * width;
+        for (int64_t i = 0; i < S; i++) {
+            pre[r * S + i] = sigmoid(mr[i] * scale[0] + base[i]) + eps;
+            post[r * S + i] = 2.0f * sigmoid(mr[S + i] * scale[1] + base[S + i]);
+        }
+        float *c = comb + r * S * S;
+        for (int64_t i = 0; i < S * S; i++) c[i] = mr[2 * S + i] * scale[2] + base[2 * S + i];
+        for (int64_t i = 0; i < S; i++) {                       /* row softmax, + eps */
+            float *row = c + i * S, top = row[0];
+            for (int64_t j = 1; j < S; j++) top = row[j] > top ? row[j] : top;
+            for (int64_t j = 0; j < S; j++) row[j] = (float)exp((double)(row[j] - top));
+            const float total = sum_in_order(row, S, 1);
+            for (int64_t j = 0; j < S; j++) row[j] = row[j] / total + eps;
+        }
+        for (int64_t step = 0; step < 2 * iters - 1; step++) {
+            const int columns = step % 2 == 0;                  /* column, row, column, …, column */
+            float total[MAX_STREAMS];
+            for (int64_t i = 0; i < S; i++)
+                total[i] = (columns ? sum_in_order(c + i, S, S) : sum_in_order(c + i * S, S, 1)) + eps;
+            for (int64_t i = 0; i < S; i++)
+                for (int64_t j = 0; j < S; j++) c[i * S + j] = c[i * S + j] / total[columns ? j : i];
+        }
+    }
+    return 0;
+}
+
+static inline float load(const void *p, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline void store(void *p, int64_t i, float v, int bf16) {
+    if (!bf16) {
+        ((float *)p)[i] = v;
+        return;
+    }
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) u = (u | 0x00400000u);          /* quiet NaN */
+    else u += 0x7fffu + ((u >> 16) & 1u);                                  /* to nearest even */
+    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+}
+
+/* hc_pre (hyper.py `collapse`): out[r, d] = Σ_i pre[r, i] · x[r, i, d] in fp32, i in order from 0 (the
+ * order and the zero start of torch's reduction over the stream dim), rounded to x's dtype. */
+void dsv41_hc_collapse(int64_t rows, int64_t S, int64_t D, int bf16, const void *x, const float *pre, void *out) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t d = 0; d < D; d++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < S; i++) acc = acc + pre[r * S + i] * load(x, (r * S + i) * D + d, bf16);
+            store(out, r * D + d, acc, bf16);
+        }
+}
+
+/* hc_post (hyper.py `expand`): stream j of row r = post[r, j] · o[r] + Σ_i comb[r, i, j] · R[r, i] in
+ * fp32 (the sum as `collapse`'s), rounded to o's dtype; R and the result [rows, S, D]. */
+void dsv41_hc_expand(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
+                     const float *post, const float *comb, void *out) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < S; j++)
+            for (int64_t d = 0; d < D; d++) {
+                float mixed = 0.0f;
+                for (int64_t i = 0; i < S; i++)
+                    mixed = mixed + comb[(r * S + i) * S + j] * load(residual, (r * S + i) * D + d, bf16);
+                store(out, (r * S + j) * D + d, post[r * S + j] * load(o, r * D + d, bf16) + mixed, bf16);
+            }
+}

@@ -1,0 +1,201 @@
+"""Fast numerics' native kernels (dsv41/model/native/gemv.c, docs/NUMERICS.md N12) against formulas.
+
+Fast numerics sum in any order, so the expectation is the float64 product with fp32's error bound for
+a sum of K products (K · 2⁻²³ · Σ|x·w|), and the bf16 result is exactly the kernel's own fp32 result
+rounded to nearest even (ties included, NaN kept). The routed experts are checked against the SwiGLU
+mixture written out here in float64. Kernels built from mutated sources (the last K element dropped,
+ties rounded away from zero, the up projection left unclamped from below) must fail the same checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41.config import ConfigError
+from dsv41.model import native
+from dsv41.model.moe import RoutedExperts
+from dsv41.model.numerics import NATIVE_GEMV_ROWS, Numerics
+
+from test_native import mutated_library
+
+FAST, FAST_NATIVE = Numerics("fast", "blas"), Numerics("fast", "blas", native=True)
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here: the torch path runs instead")
+
+
+def product_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32's error bound for x [P, M, K] · w [P, N, K]ᵀ summed in any order."""
+    K = x.shape[-1]
+    return K * 2.0 ** -23 * torch.einsum("pmk,pnk->pmn", x.double().abs(), w.double().abs()) + 1e-30
+
+
+def run_gemv(x, w, out_dtype):
+    out = torch.empty(x.shape[0], x.shape[1], w.shape[1], dtype=out_dtype)
+    assert native.gemv(x, w, out)
+    return out
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("K", [1, 15, 33, 100, 512, 1000])
+def test_gemv_is_the_product_within_fp32_error(w_dtype, x_dtype, K):
+    g = torch.Generator().manual_seed(K)
+    for M in range(1, 9):
+        x = torch.randn(2, M, K, generator=g).to(x_dtype)
+        w = torch.randn(2, 37, K, generator=g).to(w_dtype)
+        exact = torch.einsum("pmk,pnk->pmn", x.double(), w.double())
+        out = run_gemv(x, w, torch.float32)
+        assert ((out.double() - exact).abs() <= product_bound(x, w)).all()
+        # bf16 results: the same sums rounded once, as torch's cast rounds them
+        assert torch.equal(run_gemv(x, w, torch.bfloat16), out.to(torch.bfloat16))
+
+
+def rounding_cases() -> torch.Tensor:
+    """fp32 values on every kind of bf16 boundary: exact midpoints (ties to even, both parities), their
+    neighbours, 0, ±inf, NaN, the largest finite values (not −0: a sum that starts at +0 gives +0)."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(200, generator=g).to(torch.bfloat16).float()
+    bits = base.view(torch.int32)
+    mid = (bits | 0x8000).view(torch.float32)                         # halfway to the next bf16 value
+    special = torch.tensor([0.0, float("inf"), -float("inf"), float("nan"), 3.3895314e38, -3.3895314e38])
+    return torch.cat([mid, torch.nextafter(mid, torch.tensor(1e30)), torch.nextafter(mid, torch.tensor(-1e30)),
+                      special])
+
+
+def test_bf16_results_round_to_nearest_even_like_torch():
+    values = rounding_cases()
+    x = values.view(1, -1, 1)                                         # M rows of one value each, K = 1
+    for rows in torch.split(torch.arange(values.numel()), 8):
+        chunk = x[:, rows]
+        out = run_gemv(chunk, torch.ones(1, 1, 1), torch.bfloat16)
+        expect = chunk.to(torch.bfloat16)
+        assert torch.equal(out.isnan(), expect.isnan())
+        assert torch.equal(out.view(torch.int16)[~out.isnan()], expect.view(torch.int16)[~expect.isnan()])
+
+
+def test_gemv_reads_and_writes_strided_views_in_place():
+    """A grouped einsum's operands (heads interleaved in a row) and a row slice of a larger result."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 64, generator=g).to(torch.bfloat16)        # [M, G, I]
+    w = torch.randn(4, 16, 64, generator=g).to(torch.bfloat16)       # [G, R, I]
+    out = torch.full((5, 4, 16), 7.0)                                 # rows 1 … 3 are the result
+    assert native.gemv(x.transpose(0, 1), w, out[1:4].transpose(0, 1))
+    exact = torch.einsum("mgi,gri->mgr", x.double(), w.double())
+    bound = product_bound(x.transpose(0, 1), w).transpose(0, 1)
+    assert ((out[1:4].double() - exact).abs() <= bound).all()
+    assert (out[0] == 7).all() and (out[4] == 7).all()
+
+
+def test_the_policy_takes_the_native_product_for_few_rows_only(monkeypatch):
+    calls = []
+    for name in ("gemv", "linear"):
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, real=real, **k: calls.append(a[0].shape) or real(*a, **k))
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(48, 256, generator=g).to(torch.bfloat16)
+    for rows in (1, NATIVE_GEMV_ROWS, NATIVE_GEMV_ROWS + 1):
+        x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
+        got = FAST_NATIVE.linear(x, w)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 48)
+        exact = x.double() @ w.double().t()
+        assert ((got.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + product_bound(x[None], w[None])[0]).all()
+    assert calls == [(1, 256), (NATIVE_GEMV_ROWS, 256)]
+    out = torch.empty(2, 48, dtype=torch.bfloat16)
+    FAST_NATIVE.matmul_into(x[:2], w.t(), out)
+    assert torch.allclose(out.float(), FAST.linear(x[:2], w).float(), rtol=2 ** -7, atol=1e-2) and len(calls) == 3
+    groups = torch.randn(1, 2, 4, 64, generator=g).to(torch.bfloat16)
+    wo_a = torch.randn(4, 8, 64, generator=g).to(torch.bfloat16)
+    got = FAST_NATIVE.grouped_linear(groups, wo_a)
+    assert len(calls) == 4 and got.shape == (1, 2, 4, 8)
+    assert torch.allclose(got.float(), FAST.grouped_linear(groups, wo_a).float(), rtol=2 ** -7, atol=1e-2)
+    # fp32 weights stay with the BLAS (faster there at these sizes), autograd with torch
+    FAST_NATIVE.linear(x[:1].float(), w.float())
+    leaf = w.float().requires_grad_()
+    FAST_NATIVE.linear(x[:1].float(), leaf).sum().backward()
+    assert len(calls) == 4 and leaf.grad is not None
+
+
+def test_policy_construction():
+    assert Numerics.for_device("fast", None, "cpu").native == native.available()
+    assert not Numerics.for_device("fast", None, "meta").native
+    Numerics("fast", "blas", native=True)
+    for mode, kernels in (("reference", "blas"), ("fast", "invariant")):
+        with pytest.raises(ConfigError, match="native"):
+            Numerics(mode, kernels, native=True)
+
+
+def bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+def experts_formula(x, ids, weights, w1, w3, w2, limit, rounded: bool):
+    """Σ over a token's experts (ascending) of w2 · (silu(min(g, limit)) · clamp(u, ±limit) · weight),
+    in float64; `rounded` rounds g, u, h and each expert's output to bf16 as the layer does."""
+    r = bf16 if rounded else (lambda t: t)
+    x = x.double()
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for a in sorted(range(ids.shape[1]), key=lambda a: ids[t, a].item()):
+            e = ids[t, a].item()
+            if e < 0:
+                continue
+            g, u = r(w1[e].double() @ x[t]), r(w3[e].double() @ x[t])
+            if limit > 0:
+                g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+            h = r(g * torch.sigmoid(g) * u * weights[t, a].double())
+            out[t] += r(w2[e].double() @ h)
+    return out
+
+
+def expert_case(n: int, A: int, E: int, D: int, I: int, dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(n)])
+    ids[:, 0] = 3                                    # one expert with more rows than a kernel group
+    ids[1, 1] = -1                                   # another rank's pair
+    weights = torch.rand(n, A, generator=g)
+    w1, w3 = (torch.randn(E, I, D, generator=g).div(D ** 0.5).mul(4).to(dtype) for _ in range(2))
+    w2 = torch.randn(E, D, I, generator=g).div(I ** 0.5).to(dtype)
+    return x, ids, weights, w1, w3, w2
+
+
+@pytest.mark.parametrize("limit", [0.0, 2.0])
+def test_routed_experts_are_the_swiglu_mixture(limit):
+    x, ids, weights, w1, w3, w2 = expert_case(20, 3, 8, 64, 40, torch.float32, seed=7)
+    out = native.routed_experts(x, ids, weights, w1, w3, w2, limit)
+    assert torch.allclose(out.double(), experts_formula(x, ids, weights, w1, w3, w2, limit, False), rtol=1e-5, atol=1e-5)
+    x, ids, weights, w1, w3, w2 = expert_case(20, 3, 8, 64, 40, torch.bfloat16, seed=8)
+    out = native.routed_experts(x, ids, weights, w1, w3, w2, limit)
+    expect = experts_formula(x, ids, weights, w1, w3, w2, limit, True)
+    # the bf16 roundings of the formula, up to a last-bit flip where fp32 sums differ in order
+    assert torch.allclose(out.double(), expect, rtol=2 ** -7, atol=2 ** -7 * expect.abs().max().item())
+    assert native.routed_experts(x, ids.clamp(max=7) + 1, weights, w1, w3, w2, limit) is None   # id 8 of 8
+
+
+def test_routed_experts_layer_takes_the_kernel_and_matches_its_torch_path():
+    x, ids, weights, w1, w3, w2 = expert_case(6, 3, 8, 64, 32, torch.bfloat16, seed=9)
+    layers = [RoutedExperts(8, 64, 32, "bf16", 2.0, numerics=numerics) for numerics in (FAST, FAST_NATIVE)]
+    for layer in layers:
+        layer.w1.weight.data, layer.w3.weight.data, layer.w2.weight.data = w1, w3, w2
+    with torch.no_grad():
+        plain, fused = (layer(x, weights, ids.clamp(min=0)) for layer in layers)
+    assert torch.allclose(fused, plain, rtol=2 ** -7, atol=2 ** -7 * plain.abs().max().item())
+    assert not torch.equal(fused, torch.zeros_like(fused))
+
+
+@pytest.mark.parametrize("old, new, check", [
+    ("for (; k < K; k++) {", "for (; k + 1 < K; k++) {", "product"),          # the tail's last element lost
+    ("u += 0x7fffu + ((u >> 16) & 1u);", "u += 0x8000u;", "rounding"),        # ties away from zero
+    ("u = u < -limit ? -limit :", "u = u < -limit ? u :", "experts"),        # up unclamped from below
+])
+def test_a_mutated_fast_kernel_is_caught(old, new, check, tmp_path, monkeypatch):
+    lib = mutated_library("gemv.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        if check == "product":
+            test_gemv_is_the_product_within_fp32_error(torch.float32, torch.float32, 33)
+        elif check == "rounding":
+            test_bf16_results_round_to_nearest_even_like_torch()
+        else:
+            test_routed_experts_are_the_swiglu_mixture(2.0)
