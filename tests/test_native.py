@@ -178,7 +178,7 @@ def test_native_activation_quantisation_is_formats():
     ("rintf(a * 512.0f)", "truncf(a * 512.0f)"),                     # subnormals truncated
 ])
 def test_a_mutated_activation_quantiser_is_caught(old, new, tmp_path, monkeypatch):
-    lib = mutated_library("blockgemm.c", old, new, tmp_path, monkeypatch)
+    lib = mutated_library("quantize.c", old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     x = act_quant_inputs()
     assert not same_quantisation(native.fp8_act_quant(x), formats.fp8_act_quant(x))
@@ -327,3 +327,101 @@ def test_a_mutated_rotation_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         test_native_rotation_is_the_torch_rotation(torch.float32)
+
+
+@pytest.mark.parametrize("storage", ["fp8", "fp4"])
+def test_native_whole_quantised_linear_is_the_torch_path(storage):
+    """Activation quantisation, the blockwise GEMM from the stored ue8m0 scale bytes (0 = 2⁻¹²⁷ among
+    them) and the bf16 rounding in one call: the torch path's bf16 bits at every row count, for
+    output rows that end inside a 32-row scale tile (72 = 2 · 32 + 8)."""
+    w, s = every_code_weight(storage, 72, 512, seed=5)
+    s.view(torch.uint8)[1 if storage == "fp8" else 40] = 0          # outputs 32 … 63 / 40: all blocks at 2⁻¹²⁷
+    x = wide_activations(NATIVE_MAX_ROWS, 512, seed=6)
+    # output 0 of the last row an exact bf16 tie, 1 + 2⁻⁸: 1·1 + 2⁻⁴·2⁻⁴ (fp8) or 1·1 + 2⁻⁷·0.5 (fp4),
+    # activation scale 2⁻⁸, weight scale 1; to nearest even it is 1
+    x[-1] = 0
+    x[-1, :2] = torch.tensor([1.0, 2.0 ** -4 if storage == "fp8" else 2.0 ** -7])
+    one = torch.tensor([1.0, 2.0 ** -4])
+    if storage == "fp8":
+        w.view(torch.uint8)[0, :32] = 0
+        w[0, :2] = one.to(torch.float8_e4m3fn)
+    else:
+        w[0, :16] = 0
+        w[0, 0] = 0x12                                               # e2m1 codes 2 (1.0) low, 1 (0.5) high
+    s.view(torch.uint8)[0, 0] = 127
+    for rows in range(1, NATIVE_MAX_ROWS + 1):
+        want = quantized_linear(x[:rows], w, s, storage, 72, TORCH)
+        assert NATIVE.quantized_linear(x[:rows], w, s, storage, pairs=False) is not None
+        assert torch.equal(quantized_linear(x[:rows], w, s, storage, 72, NATIVE), want)
+    assert want[-1, 0] == 1.0 and (want[:, 32:64] if storage == "fp8" else want[:, 40]).abs().max() < 1e-30
+    assert (want[:, 32:64] if storage == "fp8" else want[:, 40]).abs().max() > 0
+    assert NATIVE.quantized_linear(x.repeat(2, 1), w, s, storage, pairs=False) is None     # 8 rows: the BLAS's
+
+
+@pytest.mark.parametrize("old, new", [
+    ("+ 0x7fffu + ((u.bits >> 16) & 1u)) >> 16", "+ 0x8000u) >> 16"),                   # bf16 ties away from zero
+    ("(byte ? (uint32_t)byte << 23 : 0x00400000u)", "((uint32_t)byte << 23)"),           # 2^-127 read as 0
+])
+def test_a_mutated_whole_quantised_linear_is_caught(old, new, tmp_path, monkeypatch):
+    lib = mutated_library("blockgemm.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    failed = 0
+    for storage in ("fp8", "fp4"):
+        try:
+            test_native_whole_quantised_linear_is_the_torch_path(storage)
+        except AssertionError:
+            failed += 1
+    assert failed > 0
+
+
+def test_native_attention_products_are_the_float64_einsums(monkeypatch):
+    """A block's logits and P·V at decode sizes (bf16-valued operands, as attention.py has them): the
+    invariant einsums' bits, for more heads than the kernel's rows at once (20 = 8 + 8 + 4)."""
+    calls = []
+    real = native.gemv
+    monkeypatch.setattr(native, "gemv", lambda *a, **k: calls.append(k["exact"]) or real(*a, **k))
+    g = torch.Generator().manual_seed(31)
+    for B, T, H in ((1, 1, 8), (2, 2, 20), (4, 1, 3)):
+        q = (torch.randn(B, T, H, 128, generator=g) * 8).to(torch.bfloat16).float()
+        kv = torch.randn(B, T, 64, 128, generator=g).to(torch.bfloat16).float()
+        p = torch.rand(B, T, H, 64, generator=g).to(torch.bfloat16).float()
+        assert torch.equal(NATIVE.attention_scores(q, kv), TORCH.attention_scores(q, kv))
+        assert torch.equal(NATIVE.attention_values(p, kv), TORCH.attention_values(p, kv))
+    assert calls == [True] * 6
+    q = torch.zeros(5, 1, 8, 128)                                          # a prefill's rows: the einsum
+    NATIVE.attention_scores(q, torch.zeros(5, 1, 64, 128))
+    assert len(calls) == 6
+
+
+def qdq_inputs(dtype) -> torch.Tensor:
+    """[1, 4, 8, 64] values spanning 2⁻⁴⁰…2⁴⁰ (blocks below the amax floors among them), e2m1 and e4m3
+    ties after scaling, ±0, ±inf and NaN."""
+    g = torch.Generator().manual_seed(41)
+    x = torch.randn(1, 4, 8, 64, generator=g) * torch.exp2(torch.randint(-40, 40, (1, 4, 8, 64), generator=g).float())
+    x[0, 0, 0, :8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])       # e2m1 midpoints at scale 1
+    x[0, 0, 0, 8:32] = 0.0
+    x[0, 0, 1, :4] = torch.tensor([float("nan"), float("inf"), -0.0, -float("inf")])
+    x[0, 1, 0] = 1e-30
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_qdq_points_are_formats(dtype):
+    x = qdq_inputs(dtype)
+    for got, want in ((NATIVE.qdq_window(x), formats.fp8_qdq(x, 32)), (NATIVE.qdq_index(x), formats.fp4_qdq_e8m0(x, 32))):
+        assert got.dtype == want.dtype and torch.equal(got.isnan(), want.isnan())
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(got.nan_to_num().view(bits), want.nan_to_num().view(bits))
+    assert native.qdq(x, "window") is not None
+    assert NATIVE._native_qdq(torch.zeros(1, 65, 32), "window") is None          # a prefill: formats.py's
+
+
+@pytest.mark.parametrize("old, new", [
+    ("(i % 2) ? mag >= midpoint[i] : mag > midpoint[i]", "mag > midpoint[i]"),     # e2m1 ties always down
+    ("narrow(out, r * K + k, e4m3[q[k]] * scale[k / BLOCK], bf16);", "narrow(out, r * K + k, e4m3[q[k]] * scale[0], bf16);"),
+])
+def test_a_mutated_qdq_is_caught(old, new, tmp_path, monkeypatch):
+    lib = mutated_library("quantize.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_native_qdq_points_are_formats(torch.float32)

@@ -105,7 +105,7 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, si
     for start in range(0, rows.shape[-1], step):
         part = rows[..., start:start + step]
         kv = _gather_rows(pool, part)                                              # [B, T, n, Dh]
-        z = numerics.einsum("bthd,btnd->bthn", qf, kv)
+        z = numerics.attention_scores(qf, kv)
         z = z.masked_fill(~(part >= 0).unsqueeze(2), float("-inf")) * scale
         m_new = torch.maximum(m, z.amax(dim=-1, keepdim=True))
         rescale = numerics.exp(m - m_new)
@@ -113,7 +113,7 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, si
         denom = denom * rescale + p.sum(dim=-1, keepdim=True)
         if numerics.round_probabilities:
             p = p.to(torch.bfloat16).float()
-        out = out * rescale + numerics.einsum("bthn,btnd->bthd", p, kv)
+        out = out * rescale + numerics.attention_values(p, kv)
         m = m_new
     denom = denom + numerics.exp(sink.float().view(1, 1, -1, 1) - m)
     return (out / denom).to(q.dtype)

@@ -23,7 +23,7 @@ ENGRAM_BLOCK = 32  # Engram table scales cover 1x32 blocks along the row (§6.2)
 # float holding an fp32 value gives the same product as an fp32 multiply (the exact product of two
 # fp32 numbers fits a double, then rounds once).
 INV_FP8_MAX_F32 = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
-_INV_FP4_MAX_F32 = float(torch.tensor(1.0 / FP4_MAX, dtype=torch.float32))
+INV_FP4_MAX_F32 = float(torch.tensor(1.0 / FP4_MAX, dtype=torch.float32))
 ACT_AMAX_FLOOR = 1e-4  # fp8 activation / window-KV amax floor (§6.3, §6.4 point #2)
 FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9  # point #3: keeps the e4m3 scale >= its smallest subnormal
 FP4_E8M0_AMAX_FLOOR = 6.0 * 2.0**-126  # point #4: keeps the ue8m0 scale a normal fp32 number
@@ -275,4 +275,4 @@ def fp4_qdq_e4m3(x: Tensor, block: int = 16) -> Tensor:
 def fp4_qdq_e8m0(x: Tensor, block: int = 32) -> Tensor:
     """§6.4 point #4 (indexer q/k): scale = pow2_ceil(amax * fp32(1/6)), amax >= 6*2^-126; x.dtype."""
     blocks, amax = _block_amax(x, block, FP4_E8M0_AMAX_FLOOR)
-    return _fp4_qdq(blocks, pow2_ceil(amax * _INV_FP4_MAX_F32), x.dtype)
+    return _fp4_qdq(blocks, pow2_ceil(amax * INV_FP4_MAX_F32), x.dtype)

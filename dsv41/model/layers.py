@@ -81,6 +81,9 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      out_features: int, numerics: Numerics) -> torch.Tensor:
     """§6.3: fp8 activation quantisation per 32, the blockwise GEMM (not one GEMM over the dequantised
     weight, which rounds differently: docs/NUMERICS.md N5), bf16 out; x [..., in]."""
+    whole = numerics.quantized_linear(x, weight, scale, storage, pairs=False)
+    if whole is not None:
+        return whole
     q, q_scale = numerics.fp8_act_quant(x)
     flat = q.reshape(-1, q.shape[-1])
     y = numerics.block_scaled_matmul(flat, q_scale.reshape(flat.shape[0], -1), weight,
@@ -93,6 +96,9 @@ def quantized_pairs(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     """`quantized_linear` of P rows, each through its own weight: x [P, in], weight/scale [P, …] → bf16
     [P, out]. Only where `numerics.pairs_at_once(storage)`: exact block sums make each pair's bits
     those of running its row alone."""
+    whole = numerics.quantized_linear(x, weight, scale, storage, pairs=True)
+    if whole is not None:
+        return whole
     q, q_scale = numerics.fp8_act_quant(x)
     y = numerics.block_scaled_matmul(q.unsqueeze(1), q_scale.unsqueeze(1), weight,
                                      block_scales(scale, storage, out_features), storage)

@@ -191,16 +191,42 @@ class Numerics:
 
     # ------------------------------------------------------------------------------ QDQ points (§6.4)
     def qdq_window(self, x: torch.Tensor) -> torch.Tensor:
-        """Point #2: window KV (and DSpark KV), fp8 in blocks of 32 with ue8m0 scales."""
-        return formats.fp8_qdq(x, 32) if self.quantized else x
+        """Point #2: window KV (and DSpark KV), fp8 in blocks of 32 with ue8m0 scales (natively for a
+        decode step's few rows: the same values, docs/NUMERICS.md N13)."""
+        if not self.quantized:
+            return x
+        native_qdq = self._native_qdq(x, "window")
+        return formats.fp8_qdq(x, 32) if native_qdq is None else native_qdq
 
     def qdq_compressed(self, x: torch.Tensor) -> torch.Tensor:
         """Point #3: compressed KV, fp4 in blocks of 16 with e4m3 scales."""
         return formats.fp4_qdq_e4m3(x, 16) if self.quantized else x
 
     def qdq_index(self, x: torch.Tensor) -> torch.Tensor:
-        """Point #4: indexer queries and keys, fp4 in blocks of 32 with ue8m0 scales."""
-        return formats.fp4_qdq_e8m0(x, 32) if self.quantized else x
+        """Point #4: indexer queries and keys, fp4 in blocks of 32 with ue8m0 scales (natively likewise)."""
+        if not self.quantized:
+            return x
+        native_qdq = self._native_qdq(x, "index")
+        return formats.fp4_qdq_e8m0(x, 32) if native_qdq is None else native_qdq
+
+    def _native_qdq(self, x: torch.Tensor, point: str) -> torch.Tensor | None:
+        """x [B, T, …]: at most `NATIVE_MIX_ROWS` positions on the CPU, no autograd recording."""
+        if not (self.native and x.device.type == "cpu" and x.dim() >= 3 and x.shape[:2].numel() <= NATIVE_MIX_ROWS):
+            return None
+        if torch.is_grad_enabled() and x.requires_grad:
+            return None
+        return native.qdq(x, point)
+
+    def quantized_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str,
+                         pairs: bool) -> torch.Tensor | None:
+        """layers.py's quantised linear (or, with `pairs`, one weight per row of x [P, in]) of at most
+        `NATIVE_MAX_ROWS` rows per weight in one native call from the stored weight and scale bytes:
+        bf16, the torch path's bits (docs/NUMERICS.md N11). None where the policy leaves it to layers.py."""
+        if not (self.native and self.quantized and x.device.type == "cpu"):
+            return None
+        if (1 if pairs else x.numel() // x.shape[-1]) > NATIVE_MAX_ROWS:
+            return None
+        return native.quantized_linear(x, weight, scale, storage, pairs)
 
     def fp8_act_quant(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """§6.3 point #1 before a quantised GEMM: `formats.fp8_act_quant`, in one pass by the native
@@ -278,6 +304,32 @@ class Numerics:
         if not self.invariant:
             return torch.einsum(equation, a, b.to(a.dtype))
         return _round(torch.einsum(equation, a.double(), b.double()), a.dtype)
+
+    def attention_scores(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q [B, T, H, Dh] · kv [B, T, n, Dh] → fp32 [B, T, H, n] (a block's logits, attention.py): under
+        invariant kernels a decode step's few rows take the native exact product (the bits of the
+        float64 einsum, docs/NUMERICS.md N13)."""
+        if self._native_attention(q, kv):
+            B, T, H, Dh = q.shape
+            out = q.new_empty(B, T, H, kv.shape[2])
+            if native.gemv(q.reshape(B * T, H, Dh), kv.reshape(B * T, -1, Dh), out.view(B * T, H, -1), exact=True):
+                return out
+        return self.einsum("bthd,btnd->bthn", q, kv)
+
+    def attention_values(self, p: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """p [B, T, H, n] · kv [B, T, n, Dh] → fp32 [B, T, H, Dh] (a block's P·V), as `attention_scores`."""
+        if self._native_attention(p, kv):
+            B, T, H, n = p.shape
+            out = p.new_empty(B, T, H, kv.shape[3])
+            values = kv.reshape(B * T, n, -1).transpose(1, 2).contiguous()             # [BT, Dh, n]
+            if native.gemv(p.reshape(B * T, H, n), values, out.view(B * T, H, -1), exact=True):
+                return out
+        return self.einsum("bthn,btnd->bthd", p, kv)
+
+    def _native_attention(self, a: torch.Tensor, kv: torch.Tensor) -> bool:
+        return (self.native and self.invariant and a.dtype == kv.dtype == torch.float32 and a.device.type == "cpu"
+                and a.shape[0] * a.shape[1] <= NATIVE_GEMV_ROWS and a.is_contiguous() and kv.is_contiguous()
+                and not (torch.is_grad_enabled() and (a.requires_grad or kv.requires_grad)))
 
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [B, T, G, I] through group g's own weight [G, R, I] → [B, T, G, R] in x's dtype (wo_a, §11.8)."""

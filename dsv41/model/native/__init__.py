@@ -6,9 +6,11 @@ Shapes: P pairs (one weight each; 1 for a plain Linear), M activation rows, K re
 fp8 / fp4 bytes: each block's 32 products summed exactly (fp8 in double lanes, fp4 in int32), rounded
 once to fp32, scaled and accumulated in K order: the bits of `Numerics.block_scaled_matmul`'s invariant
 path, without decoding the weight into a tensor first. It also quantises a GEMM's activations in one
-pass (`fp8_act_quant`, the bytes and scales of `formats.fp8_act_quant`). The torch path decodes every
+pass and the whole quantised linear in one call (`quantized_linear`). The torch path decodes every
 weight byte by a table lookup into a new tensor and then multiplies it: at a decode step that is
-several passes over memory per weight.
+several passes over memory per weight. `quantize.c` holds the QDQ points: the activation quantisation
+(`fp8_act_quant`, the bytes and scales of `formats.fp8_act_quant`), the window KV's `fp8_qdq` and the
+indexer's `fp4_qdq_e8m0`, each with formats.py's values.
 
 `gemv.c` multiplies a few rows by a bf16 or fp32 weight in one pass over it (`gemv`): fast numerics'
 fp32 sums in its own order, where torch's bf16 GEMM (oneDNN) costs ~20–40 µs per call beyond reading
@@ -42,15 +44,13 @@ import torch
 
 from .. import formats
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("blockgemm.c", "gemv.c", "mixes.c", "rope.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("blockgemm.c", "quantize.c", "gemv.c", "mixes.c", "rope.c"))
 # Products (P·M·N·K) below which a block GEMM runs on one thread (OpenMP's warm pool costs ~1 µs to
 # join; one thread sums ~2¹⁵ products in ~30 µs).
 THREAD_FROM = 1 << 15
 # Weight values (P·N·K) below which `gemv` runs on one thread: joining OpenMP's warm pool costs ~1 µs,
 # what one thread spends on ~16K bf16 weights.
 GEMV_THREAD_FROM = 1 << 15
-# Most activation rows `gemv` takes (gemv.c MAX_ROWS).
-GEMV_MAX_ROWS = 8
 # -ffp-contract=off keeps blockgemm.c's fp32 steps unfused (its bits); gemv.c fuses by intrinsics.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-fopenmp")
 
@@ -101,6 +101,14 @@ def load(path: Path) -> ctypes.CDLL:
     fn = lib.dsv41_block_gemm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 8
+    whole = lib.dsv41_quantized_linear
+    whole.restype = ctypes.c_int
+    whole.argtypes = ([ctypes.c_int64] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_float] * 2
+                      + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4)
+    lib.dsv41_fp8_qdq.restype = ctypes.c_int
+    lib.dsv41_fp8_qdq.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 2
+    lib.dsv41_fp4_qdq_e8m0.restype = None
+    lib.dsv41_fp4_qdq_e8m0.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_float] * 2 + [ctypes.c_void_p]
     quant = lib.dsv41_fp8_act_quant
     quant.restype = None
     quant.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 2
@@ -173,18 +181,42 @@ def block_gemm(q: torch.Tensor, q_scale: torch.Tensor, stored: torch.Tensor, w_s
     return out if status == 0 else None
 
 
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str,
+                     pairs: bool) -> torch.Tensor | None:
+    """layers.py `quantized_linear` (x [..., K] through weight [N, K] or [N, K/2] with its stored ue8m0
+    scales) or, with `pairs`, `quantized_pairs` (x [P, K], row p through weight[p]) in one call: bf16
+    [..., N] with the torch path's bits; None where the kernel is not available."""
+    lib = _library()
+    if lib is None or x.dtype not in _GEMV_DTYPES:
+        return None
+    x, weight, scale = x.contiguous(), weight.contiguous(), scale.contiguous()
+    K = x.shape[-1]
+    P, M = (x.shape[0], 1) if pairs else (1, x.numel() // K)
+    N = weight.shape[-2]
+    out = torch.empty(*x.shape[:-1], N, dtype=torch.bfloat16)
+    fp4 = storage == "fp4"
+    e4m3, e4m3_int, e2m1_int = _tables()
+    threads = torch.get_num_threads() if P * M * N * K >= THREAD_FROM else 1
+    status = lib.dsv41_quantized_linear(P, M, N, K, fp4, threads, x.data_ptr(), x.dtype == torch.bfloat16,
+                                        formats.ACT_AMAX_FLOOR, formats.INV_FP8_MAX_F32, weight.data_ptr(),
+                                        scale.data_ptr(), 1 if fp4 else formats.FP8_WEIGHT_BLOCK, formats.FP8_WEIGHT_BLOCK,
+                                        e4m3.data_ptr(), e4m3_int.data_ptr(), e2m1_int.data_ptr(), out.data_ptr())
+    return out if status == 0 else None
+
+
 def fp8_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`formats.fp8_act_quant(x)` (e4m3 codes [..., K], fp32 scales [..., K/32]) of a CPU tensor, in one
     pass; None where the kernel is not available."""
     lib = _library()
     if lib is None:
         return None
-    flat = x.float().reshape(-1, x.shape[-1]).contiguous()
-    q = torch.empty(flat.shape, dtype=torch.uint8)
-    scale = torch.empty(flat.shape[0], flat.shape[1] // formats.FP8_WEIGHT_BLOCK, dtype=torch.float32)
-    lib.dsv41_fp8_act_quant(flat.shape[0], flat.shape[1], flat.data_ptr(), formats.ACT_AMAX_FLOOR,
+    flat = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    K = x.shape[-1]
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(*x.shape[:-1], K // formats.FP8_WEIGHT_BLOCK, dtype=torch.float32)
+    lib.dsv41_fp8_act_quant(flat.numel() // K, K, flat.data_ptr(), formats.ACT_AMAX_FLOOR,
                             formats.INV_FP8_MAX_F32, q.data_ptr(), scale.data_ptr())
-    return q.view(torch.float8_e4m3fn).view(x.shape), scale.view(*x.shape[:-1], -1)
+    return q, scale
 
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float32)
@@ -317,4 +349,23 @@ def rope(x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty_like(x)
     lib.dsv41_rope(B, T, x.shape[2] if x.dim() == 4 else 1, F, R, PB, x.dtype == torch.bfloat16,
                    x.data_ptr(), table.data_ptr(), out.data_ptr())
+    return out
+
+
+def qdq(x: torch.Tensor, point: str) -> torch.Tensor | None:
+    """formats.fp8_qdq(x, 32) ("window") or formats.fp4_qdq_e8m0(x, 32) ("index") of a CPU tensor
+    (quantize.c), in x's dtype; None where the kernel is not available."""
+    lib = _library()
+    if lib is None or x.dtype not in _GEMV_DTYPES or x.shape[-1] % formats.FP8_WEIGHT_BLOCK:
+        return None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    K, bf16 = x.shape[-1], x.dtype == torch.bfloat16
+    if point == "window":
+        e4m3 = _tables()[0]
+        status = lib.dsv41_fp8_qdq(x.numel() // K, K, bf16, x.data_ptr(), formats.ACT_AMAX_FLOOR,
+                                   formats.INV_FP8_MAX_F32, e4m3.data_ptr(), out.data_ptr())
+        return out if status == 0 else None
+    lib.dsv41_fp4_qdq_e8m0(x.numel() // K, K, bf16, x.data_ptr(), formats.FP4_E8M0_AMAX_FLOOR,
+                           formats.INV_FP4_MAX_F32, out.data_ptr())
     return out

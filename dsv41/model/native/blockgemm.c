@@ -1,5 +1,6 @@
 /* The quantised blockwise GEMM of docs/ARCHITECTURE.md §6.3 for a few activation rows, read straight
- * from the stored weight bytes (dsv41/model/native.py builds and calls it; docs/NUMERICS.md N11).
+ * from the stored weight bytes (dsv41/model/native/__init__.py builds and calls it; docs/NUMERICS.md N11),
+ * whole with its activation quantisation (quantize.c) and stored ue8m0 scales in `dsv41_quantized_linear`.
  *
  * out[p, m, n] = Σ_k in K order, in fp32:  fp32(S) · qs[p, m, k] · ws[p, n, k],
  *                S = Σ_{j < 32} a[p, m, 32k + j] · w[p, n, 32k + j]   (exact, in double)
@@ -36,13 +37,28 @@ typedef struct {
     int fp4;
     const float *qs;         /* [P, M, K/32] */
     const uint8_t *w;        /* [P, N, K] or [P, N, K/2] weight bytes */
-    const float *ws;         /* [P, N, K/32] */
+    const float *ws;         /* [P, N, K/32] fp32 scales, or NULL: */
+    const uint8_t *ws8;      /* the stored ue8m0 scales [P, ⌈N/rg⌉, ⌈K/cg⌉], one per rg × cg tile */
+    int64_t rg, cg;          /* 32 × 32 (fp8) or 1 × 32 (fp4) */
     const float *act;        /* [P, M, K] activation values (fp8 weights), decoded once */
     const int32_t *act_int;  /* [P, M, K] 2^9 · activation values (fp4 weights), decoded once */
     const float *e4m3;
     const int8_t *e2m1_int;
-    float *out;              /* [P, M, N] */
+    float *out;              /* [P, M, N] fp32, or NULL: */
+    uint16_t *out_bf16;      /* [P, M, N] bf16, rounded to nearest even */
 } Job;
+
+/* A ue8m0 byte's value 2^(byte − 127), as torch's widening cast gives it (255: NaN; 0: 2^-127). */
+static float e8m0_value(uint8_t byte) {
+    union { uint32_t bits; float value; } v = {byte == 255 ? 0x7FC00000u : (byte ? (uint32_t)byte << 23 : 0x00400000u)};
+    return v.value;
+}
+
+static uint16_t to_bf16(float f) {
+    union { float value; uint32_t bits; } u = {f};
+    if ((u.bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u.bits >> 16) | 0x0040u);
+    return (uint16_t)((u.bits + 0x7fffu + ((u.bits >> 16) & 1u)) >> 16);
+}
 
 /* Σ a[j] · v[j] over one fp8 block: fp32 products (exact), summed in four double lanes. */
 static double block_dot(const float *a, const float *v) {
@@ -92,9 +108,10 @@ static void run_rows(const Job *job) {
     for (int64_t row = job->begin; row < job->end; row++) {
         const int64_t p = row / N, n = row % N;
         const uint8_t *wrow = job->w + row * row_bytes;
-        const float *wsrow = job->ws + row * nb;
+        const float *wsrow = job->ws ? job->ws + row * nb : NULL;
+        const int64_t ld = (K + job->cg - 1) / job->cg;
+        const uint8_t *ws8row = job->ws8 ? job->ws8 + (p * ((N + job->rg - 1) / job->rg) + n / job->rg) * ld : NULL;
         const float *qs = job->qs + p * M * nb;
-        float *out = job->out + p * M * N + n;
         for (int64_t m0 = 0; m0 < M; m0 += ROWS_AT_ONCE) {
             const int64_t rows = M - m0 < ROWS_AT_ONCE ? M - m0 : ROWS_AT_ONCE;
             for (int64_t r = 0; r < rows; r++) acc[r] = 0.0f;
@@ -107,30 +124,35 @@ static void run_rows(const Job *job) {
                     float partial = job->fp4 ? (float)block_dot_int(job->act_int + at, v_int) * 0x1p-10f
                                              : (float)block_dot(job->act + at, v);
                     partial = partial * qs[m * nb + k];
-                    partial = partial * wsrow[k];
+                    partial = partial * (wsrow ? wsrow[k] : e8m0_value(ws8row[k * BLOCK / job->cg]));
                     acc[r] = acc[r] + partial;
                 }
             }
-            for (int64_t r = 0; r < rows; r++) out[(m0 + r) * N] = acc[r];
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t at = (p * M + m0 + r) * N + n;
+                if (job->out) job->out[at] = acc[r];
+                else job->out_bf16[at] = to_bf16(acc[r]);
+            }
         }
     }
 }
 
-/* P pairs, each [M, K] activations (q, e4m3 bytes) through its own [N, K] weight, into out [P, M, N];
- * the P·N output rows are split over `threads` OpenMP threads (torch's pool: native/__init__.py).
- * Returns 0, or -1 if memory could not be had (nothing is then written; the caller takes the torch path). */
-int dsv41_block_gemm(int64_t P, int64_t M, int64_t N, int64_t K, int fp4, int threads,
-                     const uint8_t *q, const float *qs, const uint8_t *w, const float *ws,
-                     const float *e4m3, const int32_t *e4m3_int, const int8_t *e2m1_int, float *out) {
+/* The products of every pair's rows, split over `threads` OpenMP threads (torch's pool:
+ * native/__init__.py): job's P·N output rows, activation bytes q decoded once. Returns 0, or -1 if
+ * memory could not be had (nothing is then written; the caller takes the torch path). */
+static int run(Job job, int64_t P, int threads, const uint8_t *q, const int32_t *e4m3_int) {
+    const int64_t M = job.M, N = job.N, K = job.K;
     float *act = NULL;
     int32_t *act_int = NULL;
-    if (fp4) act_int = malloc(sizeof(int32_t) * P * M * K);
+    if (job.fp4) act_int = malloc(sizeof(int32_t) * P * M * K);
     else act = malloc(sizeof(float) * P * M * K);
     if (act == NULL && act_int == NULL) return -1;
     for (int64_t i = 0; i < P * M * K; i++) {
-        if (fp4) act_int[i] = e4m3_int[q[i]];
-        else act[i] = e4m3[q[i]];
+        if (job.fp4) act_int[i] = e4m3_int[q[i]];
+        else act[i] = job.e4m3[q[i]];
     }
+    job.act = act;
+    job.act_int = act_int;
     if (threads < 1) threads = 1;
     if (threads > P * N) threads = (int)(P * N);
     #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -140,61 +162,57 @@ int dsv41_block_gemm(int64_t P, int64_t M, int64_t N, int64_t K, int fp4, int th
         t = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
-        const Job job = {M, N, K, P * N * t / nt, P * N * (t + 1) / nt, fp4, qs, w, ws, act, act_int,
-                         e4m3, e2m1_int, out};
-        run_rows(&job);
+        Job mine = job;
+        mine.begin = P * N * t / nt;
+        mine.end = P * N * (t + 1) / nt;
+        run_rows(&mine);
     }
     free(act);
     free(act_int);
     return 0;
 }
 
-/* §6.3 point #1, formats.fp8_act_quant for rows of fp32 x [rows, K]: per 32-wide block the scale
- * pow2_ceil(max(amax, floor) · inv_max) (the caller's 1e-4 and fp32(1/448)), then each x / scale clamped to ±448 and rounded to the
- * nearest e4m3 byte, ties to the even code. NaN propagates as torch's ops do: into the block's amax
- * (so its scale is the ue8m0 NaN) and into its bytes (0x7F with the sign). */
-static uint8_t e4m3_byte(float v) {
-    union { float value; uint32_t bits; } in = {v};
-    const uint8_t sign = (uint8_t)((in.bits >> 24) & 0x80u);
-    if (isnan(v)) return 0x7Fu | sign;
-    const float a = fabsf(v);
-    if (a < 0x1p-6f) return (uint8_t)rintf(a * 512.0f) | sign;    /* subnormal steps of 2^-9 (8 = 2^-6) */
-    union { float value; uint32_t bits; } mag = {a};
-    const uint32_t rounded = mag.bits + 0x7FFFFu + ((mag.bits >> 20) & 1u);
-    return (uint8_t)((rounded >> 20) - (120u << 3)) | sign;
-}
-
-static float pow2_ceil(float x) {
-    union { float value; uint32_t bits; } in = {x}, out;
-    uint32_t exponent = (in.bits & 0x7FFFFFFFu) >> 23;
-    exponent += (in.bits & 0x7FFFFFu) != 0;
-    if (exponent >= 255u) { out.bits = 0x7FC00000u; return out.value; }
-    out.bits = exponent ? exponent << 23 : 0x00400000u;       /* 2^-127 is a subnormal */
-    return out.value;
+/* P pairs, each [M, K] activations (q, e4m3 bytes, qs scales) through its own [N, K] weight with fp32
+ * scales ws [P, N, K/32], into fp32 out [P, M, N]. */
+int dsv41_block_gemm(int64_t P, int64_t M, int64_t N, int64_t K, int fp4, int threads,
+                     const uint8_t *q, const float *qs, const uint8_t *w, const float *ws,
+                     const float *e4m3, const int32_t *e4m3_int, const int8_t *e2m1_int, float *out) {
+    const Job job = {M, N, K, 0, 0, fp4, qs, w, ws, NULL, 1, 1, NULL, NULL, e4m3, e2m1_int, out, NULL};
+    return run(job, P, threads, q, e4m3_int);
 }
 
 void dsv41_fp8_act_quant(int64_t rows, int64_t K, const float *x, float floor, float inv_max, uint8_t *q,
-                         float *scale) {
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t k = 0; k < K / BLOCK; k++) {
-            const float *block = x + r * K + k * BLOCK;
-            float amax = 0.0f;
-            int nan = 0;
-            for (int j = 0; j < BLOCK; j++) {
-                const float a = fabsf(block[j]);
-                nan |= isnan(a);
-                amax = a > amax ? a : amax;
-            }
-            if (nan) amax = NAN;
-            else if (amax < floor) amax = floor;
-            const float s = pow2_ceil(amax * inv_max);
-            scale[r * (K / BLOCK) + k] = s;
-            for (int j = 0; j < BLOCK; j++) {
-                float v = block[j] / s;
-                if (v > 448.0f) v = 448.0f;
-                if (v < -448.0f) v = -448.0f;
-                q[r * K + k * BLOCK + j] = e4m3_byte(v);
-            }
+                         float *scale);
+
+/* layers.py `quantized_linear` / `quantized_pairs` whole: x [P, M, K] (bf16 or fp32) quantised per 32
+ * (`dsv41_fp8_act_quant`), the blockwise GEMM against the stored weight and its stored ue8m0 scales
+ * (tiles of rg × cg), bf16 out [P, M, N]: one call instead of the scales widened and repeated, the
+ * activations quantised and the product run as separate torch steps. Returns 0 or -1 (no memory). */
+int dsv41_quantized_linear(int64_t P, int64_t M, int64_t N, int64_t K, int fp4, int threads, const void *x,
+                           int x_bf16, float floor, float inv_max, const uint8_t *w, const uint8_t *ws8,
+                           int64_t rg, int64_t cg, const float *e4m3, const int32_t *e4m3_int,
+                           const int8_t *e2m1_int, uint16_t *out) {
+    const int64_t n = P * M * K;
+    float *xf = malloc(sizeof(float) * n + sizeof(float) * (n / BLOCK));
+    uint8_t *q = malloc((size_t)n);
+    if (xf == NULL || q == NULL) {
+        free(xf);
+        free(q);
+        return -1;
+    }
+    float *qs = xf + n;
+    for (int64_t i = 0; i < n; i++) {
+        if (x_bf16) {
+            union { uint32_t bits; float value; } v = {(uint32_t)((const uint16_t *)x)[i] << 16};
+            xf[i] = v.value;
+        } else {
+            xf[i] = ((const float *)x)[i];
         }
     }
+    dsv41_fp8_act_quant(P * M, K, xf, floor, inv_max, q, qs);
+    const Job job = {M, N, K, 0, 0, fp4, qs, w, NULL, ws8, rg, cg, NULL, NULL, e4m3, e2m1_int, NULL, out};
+    const int status = run(job, P, threads, q, e4m3_int);
+    free(xf);
+    free(q);
+    return status;
 }

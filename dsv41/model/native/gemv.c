@@ -167,12 +167,15 @@ static void run_rows(const Gemv *g, int64_t p, int64_t n0, int64_t n1) {
     float acc[MAX_ROWS];
     for (int64_t n = n0; n < n1; n++) {
         const void *row = (const char *)g->w + (p * g->w_sp + n * g->w_sn) * ww;
-        if (g->exact) row_dot_exact((const double *)g->x + p * g->M * g->K, g->M, g->K, row, g->w_bf16, acc);
-        else row_dot((const float *)g->x + p * g->M * g->K, g->M, g->K, row, g->w_bf16, acc);
-        for (int64_t m = 0; m < g->M; m++) {
-            char *dst = (char *)g->out + (p * g->o_sp + m * g->o_sm + n) * ow;
-            if (g->out_bf16) *(uint16_t *)dst = float_to_bf16(acc[m]);
-            else *(float *)dst = acc[m];
+        for (int64_t m0 = 0; m0 < g->M; m0 += MAX_ROWS) {          /* rows MAX_ROWS at a time */
+            const int64_t rows = g->M - m0 < MAX_ROWS ? g->M - m0 : MAX_ROWS, at = (p * g->M + m0) * g->K;
+            if (g->exact) row_dot_exact((const double *)g->x + at, rows, g->K, row, g->w_bf16, acc);
+            else row_dot((const float *)g->x + at, rows, g->K, row, g->w_bf16, acc);
+            for (int64_t m = 0; m < rows; m++) {
+                char *dst = (char *)g->out + (p * g->o_sp + (m0 + m) * g->o_sm + n) * ow;
+                if (g->out_bf16) *(uint16_t *)dst = float_to_bf16(acc[m]);
+                else *(float *)dst = acc[m];
+            }
         }
     }
 }
@@ -182,7 +185,7 @@ static void run_rows(const Gemv *g, int64_t p, int64_t n0, int64_t n1) {
 int dsv41_gemv(int64_t P, int64_t M, int64_t N, int64_t K, int x_bf16, int w_bf16, int out_bf16, int exact,
                int threads, const void *x, int64_t x_sp, int64_t x_sm, const void *w, int64_t w_sp, int64_t w_sn,
                void *out, int64_t o_sp, int64_t o_sm) {
-    if (M < 1 || M > MAX_ROWS || K < 1 || P < 1 || N < 1 || threads < 1) return -1;
+    if (M < 1 || K < 1 || P < 1 || N < 1 || threads < 1) return -1;
     /* the activations widened once into one contiguous copy (P·M·K values: a few KB), fp32 or double */
     void *xf = malloc((size_t)(P * M * K) * (exact ? sizeof(double) : sizeof(float)));
     if (xf == NULL) return -1;
