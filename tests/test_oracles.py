@@ -581,11 +581,11 @@ def patch_pre(monkeypatch, model, layer, attention_reads, ffn_reads):
         state[state["sub"]] = out[0]
         return out
 
-    def collapse(x, pre):
+    def collapse(x, pre, numerics=None):
         if state["sub"] == "attn":
             state["in"] = pre
-            return real_collapse(x, state[attention_reads])
-        return real_collapse(x, state[ffn_reads])
+            return real_collapse(x, state[attention_reads], numerics)
+        return real_collapse(x, state[ffn_reads], numerics)
 
     monkeypatch.setattr(hyper, "mixes", mixes)
     monkeypatch.setattr(hyper, "collapse", collapse)
