@@ -17,9 +17,12 @@ import torch
 from dsv41.config import ConfigError
 from dsv41.model import formats, native
 from dsv41.model.layers import block_scales, quantized_linear, quantized_pairs
-from dsv41.model.numerics import NATIVE_MAX_ROWS, Numerics
+from dsv41.model.numerics import Numerics
 
 TORCH, NATIVE = Numerics("reference", "invariant"), Numerics("reference", "invariant", native=True)
+# Row counts that reach every path of blockgemm.c: the row kernel (1–7), register tiles of 6 rows with
+# each tail (8–13), and chunks of 256 rows ending in a partial one (263).
+ROW_COUNTS = (*range(1, 14), 263)
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here: the torch path runs instead")
 
@@ -52,11 +55,11 @@ def test_native_linear_is_the_invariant_path_at_every_row_count(storage):
     """fp32 GEMM outputs (before the bf16 rounding that would hide a last-bit difference) and the
     Linear's bf16 ones."""
     w, s = every_code_weight(storage, 72, 512, seed=1)
-    x = wide_activations(NATIVE_MAX_ROWS, 512, seed=2)
+    x = wide_activations(max(ROW_COUNTS), 512, seed=2)
     q, q_scale = formats.fp8_act_quant(x.float())
     rows_scale = block_scales(s, storage, 72)
     expect = TORCH.block_scaled_matmul(q, q_scale, w, rows_scale, storage)
-    for rows in range(1, NATIVE_MAX_ROWS + 1):
+    for rows in ROW_COUNTS:
         assert torch.equal(NATIVE.block_scaled_matmul(q[:rows], q_scale[:rows], w, rows_scale, storage), expect[:rows])
     assert torch.equal(quantized_linear(x, w, s, storage, 72, NATIVE), quantized_linear(x, w, s, storage, 72, TORCH))
 
@@ -128,15 +131,26 @@ def mutated_library(name: str, old: str, new: str, tmp_path, monkeypatch):
     return native.load(tmp_path / "mutated.so")
 
 
-@pytest.mark.parametrize("storage, old, new", [
-    ("fp4", "* 0x1p-10f", "* 0x1p-9f"),
-    ("fp8", "double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;", "float s0 = 0, s1 = 0, s2 = 0, s3 = 0;"),
+@pytest.mark.parametrize("lanes, storage, rows, old, new", [
+    # the row kernel without vector lanes: fp4's integer sum scaled by 2^-9, fp8 blocks summed in fp32
+    (0, "fp4", 1, "* 0x1p-10f", "* 0x1p-9f"),
+    (0, "fp8", 1, "double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;", "float s0 = 0, s1 = 0, s2 = 0, s3 = 0;"),
+    # with AVX-512 lanes: nibbles read high first, fp8 products summed in fp32 lanes
+    (1, "fp4", 1, "_mm_unpacklo_epi8(even, odd)", "_mm_unpacklo_epi8(odd, even)"),
+    (1, "fp8", 1, "return _mm512_reduce_add_pd(_mm512_add_pd(d0, d1));", "return _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));"),
+    # the tiled kernel: fp4 values read as 2·w, and the blocks accumulated against K order
+    (None, "fp4", 13, "wt[j][c] = 0.5 * (double)v_int[j];", "wt[j][c] = (double)v_int[j];"),
+    (None, "fp8", 13, "for (int64_t k = 0; k < nb; k++) {\n            decode_tile",
+     "for (int64_t k = nb - 1; k >= 0; k--) {\n            decode_tile"),
 ])
-def test_a_mutated_kernel_fails_the_comparison(storage, old, new, tmp_path, monkeypatch):
-    """Mutation: the same comparison against a kernel built from a broken copy of the source."""
+def test_a_mutated_kernel_fails_the_comparison(lanes, storage, rows, old, new, tmp_path, monkeypatch):
+    """Mutation: the same comparison against a kernel built from a broken copy of the source (each row
+    kernel's case where this CPU builds that kernel)."""
+    if lanes is not None and native._library().dsv41_vector_blocks() != lanes:
+        pytest.skip(f"this CPU builds the row kernel {'without' if lanes else 'with'} AVX-512 lanes")
     lib = mutated_library("blockgemm.c", old, new, tmp_path, monkeypatch)
     w, s = every_code_weight(storage, 72, 512, seed=1)
-    q, q_scale = formats.fp8_act_quant(wide_activations(1, 512, seed=2).float())
+    q, q_scale = formats.fp8_act_quant(wide_activations(rows, 512, seed=2).float())
     expect = TORCH.block_scaled_matmul(q, q_scale, w, block_scales(s, storage, 72), storage)
     assert torch.equal(NATIVE.block_scaled_matmul(q, q_scale, w, block_scales(s, storage, 72), storage), expect)
     monkeypatch.setattr(native, "_library", lambda: lib)
@@ -336,7 +350,7 @@ def test_native_whole_quantised_linear_is_the_torch_path(storage):
     output rows that end inside a 32-row scale tile (72 = 2 · 32 + 8)."""
     w, s = every_code_weight(storage, 72, 512, seed=5)
     s.view(torch.uint8)[1 if storage == "fp8" else 40] = 0          # outputs 32 … 63 / 40: all blocks at 2⁻¹²⁷
-    x = wide_activations(NATIVE_MAX_ROWS, 512, seed=6)
+    x = wide_activations(max(ROW_COUNTS), 512, seed=6)
     # output 0 of the last row an exact bf16 tie, 1 + 2⁻⁸: 1·1 + 2⁻⁴·2⁻⁴ (fp8) or 1·1 + 2⁻⁷·0.5 (fp4),
     # activation scale 2⁻⁸, weight scale 1; to nearest even it is 1
     x[-1] = 0
@@ -349,13 +363,13 @@ def test_native_whole_quantised_linear_is_the_torch_path(storage):
         w[0, :16] = 0
         w[0, 0] = 0x12                                               # e2m1 codes 2 (1.0) low, 1 (0.5) high
     s.view(torch.uint8)[0, 0] = 127
-    for rows in range(1, NATIVE_MAX_ROWS + 1):
-        want = quantized_linear(x[:rows], w, s, storage, 72, TORCH)
-        assert NATIVE.quantized_linear(x[:rows], w, s, storage, pairs=False) is not None
-        assert torch.equal(quantized_linear(x[:rows], w, s, storage, 72, NATIVE), want)
+    for rows in ROW_COUNTS:
+        xs = torch.cat([x[:rows - 1], x[-1:]])                       # the tie in the last row
+        want = quantized_linear(xs, w, s, storage, 72, TORCH)
+        assert NATIVE.quantized_linear(xs, w, s, storage, pairs=False) is not None
+        assert torch.equal(quantized_linear(xs, w, s, storage, 72, NATIVE), want)
     assert want[-1, 0] == 1.0 and (want[:, 32:64] if storage == "fp8" else want[:, 40]).abs().max() < 1e-30
     assert (want[:, 32:64] if storage == "fp8" else want[:, 40]).abs().max() > 0
-    assert NATIVE.quantized_linear(x.repeat(2, 1), w, s, storage, pairs=False) is None     # 8 rows: the BLAS's
 
 
 @pytest.mark.parametrize("old, new", [
@@ -375,22 +389,22 @@ def test_a_mutated_whole_quantised_linear_is_caught(old, new, tmp_path, monkeypa
 
 
 def test_native_attention_products_are_the_float64_einsums(monkeypatch):
-    """A block's logits and P·V at decode sizes (bf16-valued operands, as attention.py has them): the
-    invariant einsums' bits, for more heads than the kernel's rows at once (20 = 8 + 8 + 4)."""
+    """A block's logits and P·V (bf16-valued operands, as attention.py has them) at decode and prefill
+    row counts: the invariant einsums' bits, for more heads than the kernel's rows at once (20 = 8 + 8 + 4)."""
     calls = []
     real = native.gemv
     monkeypatch.setattr(native, "gemv", lambda *a, **k: calls.append(k["exact"]) or real(*a, **k))
     g = torch.Generator().manual_seed(31)
-    for B, T, H in ((1, 1, 8), (2, 2, 20), (4, 1, 3)):
+    for B, T, H in ((1, 1, 8), (2, 2, 20), (4, 1, 3), (1, 37, 8)):
         q = (torch.randn(B, T, H, 128, generator=g) * 8).to(torch.bfloat16).float()
         kv = torch.randn(B, T, 64, 128, generator=g).to(torch.bfloat16).float()
         p = torch.rand(B, T, H, 64, generator=g).to(torch.bfloat16).float()
         assert torch.equal(NATIVE.attention_scores(q, kv), TORCH.attention_scores(q, kv))
         assert torch.equal(NATIVE.attention_values(p, kv), TORCH.attention_values(p, kv))
-    assert calls == [True] * 6
-    q = torch.zeros(5, 1, 8, 128)                                          # a prefill's rows: the einsum
-    NATIVE.attention_scores(q, torch.zeros(5, 1, 64, 128))
-    assert len(calls) == 6
+    assert calls == [True] * 8
+    q = torch.zeros(5, 1, 8, 128, dtype=torch.float64)                     # not fp32: the einsum
+    NATIVE.attention_scores(q, torch.zeros(5, 1, 64, 128, dtype=torch.float64))
+    assert len(calls) == 8
 
 
 def qdq_inputs(dtype) -> torch.Tensor:

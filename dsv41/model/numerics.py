@@ -38,9 +38,9 @@ One frozen object, built from the runtime config and passed to every module (STY
     ops, ~1.3 µs as NumPy ones.
   Both sum in another order than the default path, which fast numerics with BLAS kernels allow.
 - `native` (on the CPU, set by `for_device` where the C library builds: `native/`):
-  - reference numerics with invariant kernels (docs/NUMERICS.md N11, N13): quantised GEMMs of at most
-    `NATIVE_MAX_ROWS` activation rows per weight, and every activation quantisation before one, run in
-    C from the stored bytes, with the torch path's bits exactly (exact block sums), so it may mix with
+  - reference numerics with invariant kernels (docs/NUMERICS.md N11, N13): every quantised GEMM (a
+    decode step's rows one by one, a prefill's in register tiles), and every activation quantisation
+    before one, run in C from the stored bytes, with the torch path's bits exactly (exact block sums), so it may mix with
     it freely; so do the float64 products of at most `NATIVE_GEMV_ROWS` rows (`linear`: the head, the
     hyper-connection mixes; wo_a's groups), as exact products summed in double;
   - fast numerics with BLAS kernels (N12): products of at most `NATIVE_GEMV_ROWS` rows with a bf16
@@ -77,11 +77,6 @@ DECODE_CHUNK_ELEMENTS = 1 << 17
 CAST_BELOW = 1 << 14
 # Largest batch of per-block partial sums an invariant quantised GEMM holds at once.
 BLOCK_PARTIALS_ELEMENTS = 1 << 23
-# Most activation rows per weight the native blockwise GEMM takes (docs/NUMERICS.md N11): it reads
-# the weight once for all of them, but past a few rows the BLAS's products win. Measured in one
-# process, alternating: a batch-16 decode step 588 ms at 4, 649 at 16, 858 without it; a 128-token
-# prefill 1.51 s at 4, 1.78 at 16, 1.64 without it.
-NATIVE_MAX_ROWS = 4
 # Most activation rows fast numerics' native product takes per weight (docs/NUMERICS.md N12): ~8 µs
 # per call against torch's 26–33 µs for a bf16 decode-sized weight; past a few rows oneDNN's blocked
 # kernel catches up.
@@ -219,12 +214,10 @@ class Numerics:
 
     def quantized_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, storage: str,
                          pairs: bool) -> torch.Tensor | None:
-        """layers.py's quantised linear (or, with `pairs`, one weight per row of x [P, in]) of at most
-        `NATIVE_MAX_ROWS` rows per weight in one native call from the stored weight and scale bytes:
-        bf16, the torch path's bits (docs/NUMERICS.md N11). None where the policy leaves it to layers.py."""
+        """layers.py's quantised linear (or, with `pairs`, one weight per row of x [P, in]) in one native
+        call from the stored weight and scale bytes: bf16, the torch path's bits (docs/NUMERICS.md N11,
+        N14). None where the policy leaves it to layers.py."""
         if not (self.native and self.quantized and x.device.type == "cpu"):
-            return None
-        if (1 if pairs else x.numel() // x.shape[-1]) > NATIVE_MAX_ROWS:
             return None
         return native.quantized_linear(x, weight, scale, storage, pairs)
 
@@ -307,8 +300,8 @@ class Numerics:
 
     def attention_scores(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """q [B, T, H, Dh] · kv [B, T, n, Dh] → fp32 [B, T, H, n] (a block's logits, attention.py): under
-        invariant kernels a decode step's few rows take the native exact product (the bits of the
-        float64 einsum, docs/NUMERICS.md N13)."""
+        invariant kernels the native exact product, 8 heads at a time per position (the bits of the
+        float64 einsum without its float64 copies, docs/NUMERICS.md N13, N14)."""
         if self._native_attention(q, kv):
             B, T, H, Dh = q.shape
             out = q.new_empty(B, T, H, kv.shape[2])
@@ -328,7 +321,7 @@ class Numerics:
 
     def _native_attention(self, a: torch.Tensor, kv: torch.Tensor) -> bool:
         return (self.native and self.invariant and a.dtype == kv.dtype == torch.float32 and a.device.type == "cpu"
-                and a.shape[0] * a.shape[1] <= NATIVE_GEMV_ROWS and a.is_contiguous() and kv.is_contiguous()
+                and a.is_contiguous() and kv.is_contiguous()
                 and not (torch.is_grad_enabled() and (a.requires_grad or kv.requires_grad)))
 
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -442,7 +435,7 @@ class Numerics:
         """
         M, K = q.shape[-2:]
         nb, N, lead = K // GEMM_BLOCK, stored.shape[-2], q.shape[:-2]
-        if self.native and M <= NATIVE_MAX_ROWS and q.device.type == "cpu":
+        if self.native and q.device.type == "cpu":
             out = native.block_gemm(q.reshape(-1, M, K), q_scale.reshape(-1, M, nb),
                                     stored.reshape(-1, N, stored.shape[-1]), w_scale.reshape(-1, N, nb), storage)
             if out is not None:

@@ -124,6 +124,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_hc_expand.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 5
     lib.dsv41_rope.restype = None
     lib.dsv41_rope.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 3
+    lib.dsv41_vector_blocks.restype = ctypes.c_int
+    lib.dsv41_vector_blocks.argtypes = []
     experts = lib.dsv41_routed_experts
     experts.restype = ctypes.c_int
     experts.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 7

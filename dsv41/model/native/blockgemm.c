@@ -98,6 +98,48 @@ static int32_t block_dot_int(const int32_t *a, const int8_t *v) {
     return s;
 }
 
+/* With AVX-512 a block's 32 weights decode in vector lanes, straight to floats: e4m3 bytes through
+ * the fp16 converter (sign and the 7 low bits moved into a half's layout read 2^8 below the e4m3
+ * value, subnormals included, and the power of two restores it exactly; 0x7F / 0xFF are NaN), e2m1
+ * nibbles as indices into a 16-entry table. Products with the activations are exact in fp32 (at
+ * most 8 significant bits) and are summed in double lanes, exactly, for fp4 as for fp8. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define VECTOR_BLOCKS 1
+
+static inline __m512 fp8_lanes(const uint8_t *bytes) {
+    const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)bytes));
+    const __m256i low = _mm256_and_si256(h, _mm256_set1_epi16(0x7F));
+    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                                         _mm256_slli_epi16(low, 7));
+    const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
+    return _mm512_mask_mov_ps(v, _mm256_cmpeq_epi16_mask(low, _mm256_set1_epi16(0x7F)), _mm512_set1_ps(NAN));
+}
+
+/* The 32 values of one fp4 block's 16 bytes (low nibble first) as two vectors of 16 floats. */
+static inline void fp4_lanes(const uint8_t *bytes, __m512 table, __m512 *v0, __m512 *v1) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)bytes);
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i even = _mm_and_si128(packed, nibble), odd = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+    *v0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(even, odd)), table);
+    *v1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(even, odd)), table);
+}
+
+/* Σ a[j] · w[j] over a block, exact: fp32 products widened and added in double lanes. */
+static inline double block_sum_lanes(const float *a, __m512 w0, __m512 w1) {
+    const __m512 p0 = _mm512_mul_ps(_mm512_loadu_ps(a), w0), p1 = _mm512_mul_ps(_mm512_loadu_ps(a + 16), w1);
+    const __m512d d0 = _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(p0)),
+                                     _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p0), 1))));
+    const __m512d d1 = _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(p1)),
+                                     _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p1), 1))));
+    return _mm512_reduce_add_pd(_mm512_add_pd(d0, d1));
+}
+#else
+#define VECTOR_BLOCKS 0
+#endif
+
+/* Whether this build decodes and sums blocks in AVX-512 lanes (tests pick their mutations by it). */
+int dsv41_vector_blocks(void) { return VECTOR_BLOCKS; }
+
 #define ROWS_AT_ONCE 16
 
 static void run_rows(const Job *job) {
@@ -105,6 +147,11 @@ static void run_rows(const Job *job) {
     const int64_t row_bytes = job->fp4 ? K / 2 : K, block_bytes = job->fp4 ? BLOCK / 2 : BLOCK;
     float acc[ROWS_AT_ONCE], v[BLOCK];
     int8_t v_int[BLOCK];
+#if VECTOR_BLOCKS
+    float halves[16];
+    for (int i = 0; i < 16; i++) halves[i] = 0.5f * (float)job->e2m1_int[i];
+    const __m512 e2m1 = _mm512_loadu_ps(halves);
+#endif
     for (int64_t row = job->begin; row < job->end; row++) {
         const int64_t p = row / N, n = row % N;
         const uint8_t *wrow = job->w + row * row_bytes;
@@ -117,6 +164,22 @@ static void run_rows(const Job *job) {
             for (int64_t r = 0; r < rows; r++) acc[r] = 0.0f;
             for (int64_t k = 0; k < nb; k++) {
                 const uint8_t *bytes = wrow + k * block_bytes;
+#if VECTOR_BLOCKS
+                __m512 w0, w1;
+                if (job->fp4) fp4_lanes(bytes, e2m1, &w0, &w1);
+                else {
+                    w0 = fp8_lanes(bytes);
+                    w1 = fp8_lanes(bytes + 16);
+                }
+                for (int64_t r = 0; r < rows; r++) {
+                    const int64_t m = m0 + r;
+                    float partial = (float)block_sum_lanes(job->act + (p * M + m) * K + k * BLOCK, w0, w1);
+                    partial = partial * qs[m * nb + k];
+                    partial = partial * (wsrow ? wsrow[k] : e8m0_value(ws8row[k * BLOCK / job->cg]));
+                    acc[r] = acc[r] + partial;
+                }
+                continue;
+#endif
                 if (job->fp4) decode_fp4_block(bytes, job->e2m1_int, v_int);
                 else for (int j = 0; j < BLOCK; j++) v[j] = job->e4m3[bytes[j]];
                 for (int64_t r = 0; r < rows; r++) {
@@ -137,18 +200,144 @@ static void run_rows(const Job *job) {
     }
 }
 
+/* Many rows (a prefill's GEMMs): tiles of TILE_COLS output columns, whose weight block is decoded
+ * once into doubles laid out [j][column] and swept down TILE_ROWS activation rows at a time. A block's
+ * 32 products are exact in double, and so is their sum (the bounds above, for fp8 and fp4 alike), so
+ * fused multiply-adds in this order give the same S as the row kernels; the fp32 steps after it are
+ * theirs. Rows are taken CHUNK_ROWS at a time, their activations widened to double once per chunk. */
+#define TILE_COLS 16
+#define TILE_ROWS 6
+#define CHUNK_ROWS 256
+#define TILED_FROM 8
+
+static void decode_tile(const Job *job, int64_t p, int64_t n0, int64_t cols, int64_t k, double wt[BLOCK][TILE_COLS],
+                        float wsc[TILE_COLS]) {
+    const int64_t N = job->N, K = job->K, nb = K / BLOCK;
+    const int64_t row_bytes = job->fp4 ? K / 2 : K, ld = (K + job->cg - 1) / job->cg;
+    int8_t v_int[BLOCK];
+    for (int64_t c = 0; c < TILE_COLS; c++) {
+        if (c >= cols) {
+            for (int j = 0; j < BLOCK; j++) wt[j][c] = 0.0;
+            wsc[c] = 0.0f;
+            continue;
+        }
+        const int64_t n = n0 + c;
+        const uint8_t *bytes = job->w + (p * N + n) * row_bytes + k * (job->fp4 ? BLOCK / 2 : BLOCK);
+        if (job->fp4) {
+            decode_fp4_block(bytes, job->e2m1_int, v_int);
+            for (int j = 0; j < BLOCK; j++) wt[j][c] = 0.5 * (double)v_int[j];
+        } else {
+            for (int j = 0; j < BLOCK; j++) wt[j][c] = (double)job->e4m3[bytes[j]];
+        }
+        wsc[c] = job->ws ? job->ws[(p * N + n) * nb + k]
+                         : e8m0_value(job->ws8[(p * ((N + job->rg - 1) / job->rg) + n / job->rg) * ld + k * BLOCK / job->cg]);
+    }
+}
+
+typedef double lanes __attribute__((vector_size(8 * sizeof(double))));
+#define LANES 8
+#define TILE_VECS (TILE_COLS / LANES)
+
+/* S[r][c] = Σ_j a[r][j] · wt[j][c] for TILE_ROWS activation rows (rows past `rows` repeat the last
+ * one, their sums unused), in vector lanes of doubles. Contracting x · w + s into a fused multiply-add
+ * changes nothing here, the product being exact, so this function alone may. */
+__attribute__((optimize("fp-contract=fast")))
+static void tile_sums(const double *a, int64_t K, int64_t rows, const double wt[BLOCK][TILE_COLS],
+                      double s[TILE_ROWS][TILE_COLS]) {
+    const double *row[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) row[r] = a + (r < rows ? r : rows - 1) * K;
+    lanes acc[TILE_ROWS][TILE_VECS];
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int v = 0; v < TILE_VECS; v++) acc[r][v] = (lanes){0};
+    for (int j = 0; j < BLOCK; j++) {
+        lanes w[TILE_VECS];
+        memcpy(w, wt[j], sizeof w);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const double x = row[r][j];
+            for (int v = 0; v < TILE_VECS; v++) acc[r][v] += x * w[v];
+        }
+    }
+    memcpy(s, acc, sizeof acc);
+}
+
+/* acc[r][c] += the fp32 steps of S[r][c] (rounded once, times the row's and the column's scale). */
+static void tile_rows(const double *a, int64_t K, int64_t rows, const double wt[BLOCK][TILE_COLS], const float *qs,
+                      int64_t nb, const float wsc[TILE_COLS], float (*acc)[TILE_COLS]) {
+    double s[TILE_ROWS][TILE_COLS];
+    tile_sums(a, K, rows, wt, s);
+    for (int64_t r = 0; r < rows; r++)
+        for (int c = 0; c < TILE_COLS; c++) {
+            float partial = (float)s[r][c];
+            partial = partial * qs[r * nb];
+            partial = partial * wsc[c];
+            acc[r][c] = acc[r][c] + partial;
+        }
+}
+
+/* Output tiles begin..end (pair-major, ⌈N / TILE_COLS⌉ per pair) for rows m0 .. m0 + rows of a chunk
+ * whose activations a64 [P, rows, K] are doubles. */
+static void run_tiles(const Job *job, const double *a64, int64_t m0, int64_t rows, int64_t begin, int64_t end) {
+    const int64_t M = job->M, N = job->N, K = job->K, nb = K / BLOCK, tiles = (N + TILE_COLS - 1) / TILE_COLS;
+    double wt[BLOCK][TILE_COLS] __attribute__((aligned(64)));
+    float wsc[TILE_COLS], acc[CHUNK_ROWS][TILE_COLS];
+    for (int64_t t = begin; t < end; t++) {
+        const int64_t p = t / tiles, n0 = (t % tiles) * TILE_COLS;
+        const int64_t cols = N - n0 < TILE_COLS ? N - n0 : TILE_COLS;
+        memset(acc, 0, sizeof(float) * TILE_COLS * rows);
+        for (int64_t k = 0; k < nb; k++) {
+            decode_tile(job, p, n0, cols, k, wt, wsc);
+            for (int64_t r = 0; r < rows; r += TILE_ROWS)
+                tile_rows(a64 + (p * rows + r) * K + k * BLOCK, K, rows - r < TILE_ROWS ? rows - r : TILE_ROWS, wt,
+                          job->qs + (p * M + m0 + r) * nb + k, nb, wsc, acc + r);
+        }
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < cols; c++) {
+                const int64_t at = (p * M + m0 + r) * N + n0 + c;
+                if (job->out) job->out[at] = acc[r][c];
+                else job->out_bf16[at] = to_bf16(acc[r][c]);
+            }
+    }
+}
+
+static int run_tiled(const Job *job, int64_t P, int threads, const uint8_t *q) {
+    const int64_t M = job->M, N = job->N, K = job->K, tiles = P * ((N + TILE_COLS - 1) / TILE_COLS);
+    const int64_t chunk = M < CHUNK_ROWS ? M : CHUNK_ROWS;
+    double *a64 = malloc(sizeof(double) * P * chunk * K);
+    if (a64 == NULL) return -1;
+    if (threads < 1) threads = 1;
+    if (threads > tiles) threads = (int)tiles;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t rows = M - m0 < chunk ? M - m0 : chunk;
+        for (int64_t p = 0; p < P; p++)
+            for (int64_t i = 0; i < rows * K; i++) a64[p * rows * K + i] = (double)job->e4m3[q[(p * M + m0) * K + i]];
+        #pragma omp parallel num_threads(threads) if (threads > 1)
+        {
+            int64_t t = 0, nt = 1;
+#if defined(_OPENMP)
+            t = omp_get_thread_num();
+            nt = omp_get_num_threads();
+#endif
+            run_tiles(job, a64, m0, rows, tiles * t / nt, tiles * (t + 1) / nt);
+        }
+    }
+    free(a64);
+    return 0;
+}
+
 /* The products of every pair's rows, split over `threads` OpenMP threads (torch's pool:
  * native/__init__.py): job's P·N output rows, activation bytes q decoded once. Returns 0, or -1 if
  * memory could not be had (nothing is then written; the caller takes the torch path). */
 static int run(Job job, int64_t P, int threads, const uint8_t *q, const int32_t *e4m3_int) {
     const int64_t M = job.M, N = job.N, K = job.K;
+    if (M >= TILED_FROM) return run_tiled(&job, P, threads, q);
     float *act = NULL;
     int32_t *act_int = NULL;
-    if (job.fp4) act_int = malloc(sizeof(int32_t) * P * M * K);
+    const int integer = job.fp4 && !VECTOR_BLOCKS;     /* fp4 blocks summed in int32 (no vector lanes) */
+    if (integer) act_int = malloc(sizeof(int32_t) * P * M * K);
     else act = malloc(sizeof(float) * P * M * K);
     if (act == NULL && act_int == NULL) return -1;
     for (int64_t i = 0; i < P * M * K; i++) {
-        if (job.fp4) act_int[i] = e4m3_int[q[i]];
+        if (integer) act_int[i] = e4m3_int[q[i]];
         else act[i] = job.e4m3[q[i]];
     }
     job.act = act;
