@@ -1,4 +1,5 @@
-"""Cost of the tie rule: `torch.topk` against dsv41's ordered top-k (topk.py) at the released sizes.
+"""Cost of the tie rule: `torch.topk` against dsv41's ordered top-k (topk.py, and the native kernel the
+CPU policies take, native/topk.c) at the released sizes.
 
 Run from the repository root: python -m benchmarks.bench_topk [--threads N]
 
@@ -17,7 +18,11 @@ import time
 
 import torch
 
+from dsv41.model import native
+from dsv41.model.numerics import Numerics
 from dsv41.model.topk import topk
+
+NATIVE = Numerics("fast", "blas", native=True)
 
 REPEATS = 5
 HEADS, HEAD_DIM = 32, 128
@@ -53,16 +58,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     print(f"{'selection':<17} {'queries':>7} {'entries':>8} {'k':>5} {'torch.topk ms':>14} {'ordered ms':>11} "
-          f"{'ratio':>6} {'indexer scoring ms':>19}")
+          f"{'ratio':>6} {'native ms':>10} {'ratio':>6} {'indexer scoring ms':>19}")
     for label, k, divisor in (("index top-k", 512, 1), ("candidate blocks", 2048, 8)):
         for queries in (1, 16):
             for c in (65_536, 524_288):
                 s = scores(queries, c // divisor)
                 plain = median_ms(lambda: s.topk(k, dim=-1, sorted=False))
                 ordered = median_ms(lambda: topk(s, k, sorted=False))
+                fast = median_ms(lambda: NATIVE.topk(s, k, sorted=False)) if native.available() else float("nan")
                 scoring = f"{scoring_ms(queries, c):>19.1f}" if divisor == 1 else f"{'':>19}"
                 print(f"{label:<17} {queries:>7} {c // divisor:>8} {k:>5} {plain:>14.2f} {ordered:>11.2f} "
-                      f"{ordered / plain:>5.2f}x{scoring}")
+                      f"{ordered / plain:>5.2f}x {fast:>10.2f} {fast / plain:>5.2f}x{scoring}")
 
 
 if __name__ == "__main__":

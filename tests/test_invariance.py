@@ -113,7 +113,7 @@ def test_reference_numerics_bit_identical_across_call_shapes(binding_reference, 
 def test_torch_tie_order_breaks_it(monkeypatch):
     """Mutation: with torch's own top-k at the k-boundary, a verify call chooses other positions than the
     one-shot prefill (the bug behind speculative ≠ greedy on the demo)."""
-    monkeypatch.setattr(indexer, "ordered_topk", torch_topk)
+    monkeypatch.setattr(indexer, "_topk", lambda numerics, scores, k: torch_topk(scores, k, sorted=False))
     model = helpers.build(helpers.binding_config(), "reference", seed=0)
     ids = helpers.token_ids(2, LENGTH, seed=5)
     shapes = [SHAPES["prefill 10, then verify calls of 6"], SHAPES["prefill 7, then decode"]]

@@ -439,3 +439,48 @@ def test_a_mutated_qdq_is_caught(old, new, tmp_path, monkeypatch):
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         test_native_qdq_points_are_formats(torch.float32)
+
+
+def topk_inputs() -> torch.Tensor:
+    """Rows of many exact ties (small integers, −0 beside +0), ±inf and NaNs of both signs, enough of
+    them to split over threads."""
+    g = torch.Generator().manual_seed(41)
+    scores = torch.randint(-2, 3, (300, 400), generator=g).float()
+    scores[0, :50] = float("-inf")
+    scores[1] = 0.0
+    scores[1, ::2] = -0.0                                                     # one score with +0
+    scores[2, ::2] = -0.0
+    scores[3, 7], scores[3, 9], scores[3, 11] = float("nan"), -float("nan"), float("inf")
+    return scores
+
+
+@pytest.mark.parametrize("k", [1, 3, 64, 400])
+def test_native_topk_is_the_tie_rule(k):
+    """topk.py's keys (its own test checks them against a brute force) chosen by a heap in C: the same
+    indices in the same order and the same values, through the policy too."""
+    from dsv41.model.topk import topk as ordered_topk
+    scores = topk_inputs()
+    want = ordered_topk(scores, k)
+    got = native.topk(scores, k)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
+    unsorted = NATIVE.topk(scores, k, sorted=False)
+    assert torch.equal(unsorted[1].sort(-1).values, want[1].sort(-1).values)
+    assert torch.equal(unsorted[0].view(torch.int32), scores.gather(-1, unsorted[1]).view(torch.int32))
+    halves = (scores * 1.01).to(torch.bfloat16)                               # bf16 scores, ties kept
+    got, want = native.topk(halves, k), ordered_topk(halves, k)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+    assert native.topk(scores.double(), k) is None                            # float64: topk.py's path
+    want = ordered_topk(scores, k)
+    assert want[1][1].tolist() == list(range(k))                              # ±0 only: the lowest indices
+
+
+@pytest.mark.parametrize("old, new", [
+    ("const float folded = score + 0.0f;", "const float folded = score;"),                   # −0 below +0
+    # ties to the higher index:
+    ("#define LOW_BITS(index) (0xFFFFFFFFu - (uint32_t)(index))", "#define LOW_BITS(index) ((uint32_t)(index))"),
+])
+def test_a_mutated_topk_is_caught(old, new, tmp_path, monkeypatch):
+    lib = mutated_library("topk.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_native_topk_is_the_tie_rule(3)

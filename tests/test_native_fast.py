@@ -15,7 +15,7 @@ import torch
 from dsv41.config import ConfigError
 from dsv41.model import native
 from dsv41.model.moe import RoutedExperts
-from dsv41.model.numerics import NATIVE_GEMV_ROWS, Numerics
+from dsv41.model.numerics import NATIVE_FP32_FROM, NATIVE_GEMV_ROWS, Numerics
 
 from test_native import mutated_library
 
@@ -109,11 +109,17 @@ def test_the_policy_takes_the_native_product_for_few_rows_only(monkeypatch):
     got = FAST_NATIVE.grouped_linear(groups, wo_a)
     assert len(calls) == 4 and got.shape == (1, 2, 4, 8)
     assert torch.allclose(got.float(), FAST.grouped_linear(groups, wo_a).float(), rtol=2 ** -7, atol=1e-2)
-    # fp32 weights stay with the BLAS (faster there at these sizes), autograd with torch
+    # small fp32 weights stay with the BLAS (faster there), autograd with torch
     FAST_NATIVE.linear(x[:1].float(), w.float())
     leaf = w.float().requires_grad_()
     FAST_NATIVE.linear(x[:1].float(), leaf).sum().backward()
     assert len(calls) == 4 and leaf.grad is not None
+    # a head-sized fp32 weight takes the native product, within fp32 error of the float64 one
+    head = torch.randn(NATIVE_FP32_FROM // 256, 256, generator=g)
+    xf = torch.randn(1, 256, generator=g)
+    got = FAST_NATIVE.linear(xf, head)
+    assert len(calls) == 5 and got.dtype == torch.float32
+    assert ((got.double() - xf.double() @ head.double().t()).abs() <= product_bound(xf[None], head[None])[0]).all()
 
 
 def test_policy_construction():

@@ -21,10 +21,9 @@ import torch
 from dsv41.config import ModelConfig
 from dsv41.demo import demo_config_dict, train_tokenizer
 from dsv41.model import hyper
-from dsv41.model import moe as moe_module
 from dsv41.model.attention import Attention
 from dsv41.model.engram import build_token_map
-from dsv41.model.numerics import FAST
+from dsv41.model.numerics import FAST, Numerics
 from dsv41.training import forward
 from dsv41.training.model import TrainingModel
 from dsv41.training.objective import compute_losses
@@ -147,26 +146,33 @@ class FrozenChoices:
         self.calls: list = []
         self.replaying = False
         self.position = 0
-        real_select, real_topk = Attention.select, moe_module.ordered_topk
+        self.selecting = False                  # inside an attention's selection: its top-k are its own
+        real_select, real_topk = Attention.select, Numerics.topk
 
         def select(attn, x, qr, step, handoff, C, keys_of):
             if not self.replaying:
-                chosen = real_select(attn, x, qr, step, handoff, C, keys_of)
+                self.selecting = True
+                try:
+                    chosen = real_select(attn, x, qr, step, handoff, C, keys_of)
+                finally:
+                    self.selecting = False
                 self.calls.append((chosen, dict(handoff.candidates)))
                 return chosen
             chosen, candidates = self._next()
             handoff.candidates.update(candidates)
             return chosen
 
-        def topk(scores, k, **kw):
+        def topk(numerics, scores, k, **kw):                 # the routers' choices
+            if self.selecting:
+                return real_topk(numerics, scores, k, **kw)
             if not self.replaying:
-                self.calls.append(real_topk(scores, k, **kw)[1])
+                self.calls.append(real_topk(numerics, scores, k, **kw)[1])
                 return scores.gather(-1, self.calls[-1]), self.calls[-1]
             ids = self._next()
             return scores.gather(-1, ids), ids
 
         monkeypatch.setattr(Attention, "select", select)
-        monkeypatch.setattr(moe_module, "ordered_topk", topk)
+        monkeypatch.setattr(Numerics, "topk", topk)
 
     def _next(self):
         self.position += 1

@@ -258,15 +258,16 @@ class Indexer(nn.Module):
             seen = visible[..., r]
             score = self.scores(x[:, r], qr[:, r], keys, positions[..., r], seen, rotary, (q[:, r], weights[:, r]))
             if blocks is not None:
-                keep[:, r] = candidate_blocks(score, seen, *blocks)
+                keep[:, r] = candidate_blocks(score, seen, *blocks, numerics=self.numerics)
             if restrict is not None:
                 score = score.masked_fill(~restrict[:, r], NEG_INF)
-            chosen[:, r] = select_topk(score, seen, topk)
+            chosen[:, r] = select_topk(score, seen, topk, numerics=self.numerics)
             del score                                   # before the next chunk's: one chunk alive at a time
         return chosen
 
 
-def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
+def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int, *,
+                     numerics: Numerics | None = None) -> torch.Tensor:
     """Level one of the two-level top-k: a [B, T, C] mask of the kept blocks (§11.6, trap 13).
 
     A block scores the max over its positions; the block holding the query's newest visible position is
@@ -280,17 +281,23 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: i
     newest = (visible - 1).div(block_size, rounding_mode="floor")                 # −1 when nothing is visible
     pinned = torch.arange(n_blocks, device=scores.device) == newest.unsqueeze(-1)
     block_score = block_score.masked_fill(pinned, float("inf"))
-    values, indices = ordered_topk(block_score, min(topk_blocks, n_blocks), sorted=False)
+    values, indices = _topk(numerics, block_score, min(topk_blocks, n_blocks))
     keep = torch.zeros_like(block_score, dtype=torch.bool).scatter_(-1, indices, values > NEG_INF)
     return keep.repeat_interleave(block_size, dim=-1)[..., :width]
 
 
-def select_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
+def select_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int, *,
+                numerics: Numerics | None = None) -> torch.Tensor:
     """[B, T, k] compressed positions, k = min(K, C), ascending; −1 where j ≥ visible_t (trap 12, 14).
 
     Ties go to the lower position, so a query chooses the same positions whatever C its call has: an
     invisible position (−∞, and later than every visible one) never displaces a visible one.
     """
     k = min(topk, scores.shape[-1])
-    chosen = ordered_topk(scores, k, sorted=False)[1].sort(dim=-1).values
+    chosen = _topk(numerics, scores, k)[1].sort(dim=-1).values
     return torch.where(chosen < visible.unsqueeze(-1), chosen, -1)
+
+
+def _topk(numerics: Numerics | None, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tie-ruled top-k in no particular order: the policy's kernel where one is given."""
+    return ordered_topk(scores, k, sorted=False) if numerics is None else numerics.topk(scores, k, sorted=False)

@@ -27,7 +27,6 @@ from torch import nn
 
 from .layers import Linear, quantized_linear, quantized_pairs, stored_dtypes, weight_shapes
 from .numerics import Numerics
-from .topk import topk as ordered_topk
 from ..parallel.context import ParallelContext
 
 # Routing weights are normalised with their own constant, not norm_eps (§13, trap 3).
@@ -48,7 +47,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int, 
     select_bias = bias
     if bias_vl is not None and image_mask is not None:
         select_bias = torch.where(image_mask.unsqueeze(-1), bias_vl, bias)
-    ids = ordered_topk(scores + select_bias, topk)[1]
+    ids = numerics.topk(scores + select_bias, topk)[1]
     weights = scores.gather(1, ids)
     if topk > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTE_NORM_EPS)

@@ -44,7 +44,7 @@ One frozen object, built from the runtime config and passed to every module (STY
     it freely; so do the float64 products of at most `NATIVE_GEMV_ROWS` rows (`linear`: the head, the
     hyper-connection mixes; wo_a's groups), as exact products summed in double;
   - fast numerics with BLAS kernels (N12): products of at most `NATIVE_GEMV_ROWS` rows with a bf16
-    weight (linears, the held experts, wo_a's groups), and the routed experts of at most
+    weight or a large fp32 one (linears, the head, the held experts, wo_a's groups), and the routed experts of at most
     `NATIVE_EXPERT_PAIRS` (token, expert) pairs, run in C, one pass over each weight, outside autograd
     only (the kernels have no backward).
 """
@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from . import formats, native
+from .topk import topk as ordered_topk
 from ..config import ConfigError
 
 MODES = ("reference", "fast")
@@ -81,6 +82,10 @@ BLOCK_PARTIALS_ELEMENTS = 1 << 23
 # per call against torch's 26–33 µs for a bf16 decode-sized weight; past a few rows oneDNN's blocked
 # kernel catches up.
 NATIVE_GEMV_ROWS = 4
+# Fewest values of an fp32 weight fast numerics' native product takes: MKL's fp32 GEMV streams a
+# large weight at ~15 GB/s here (the 8192 × 512 head 719 µs, native 201 µs) and wins below ~1M values
+# (a 24 × 2048 mix projection 5.6 µs against 11 µs).
+NATIVE_FP32_FROM = 1 << 20
 # Most rows whose hyper-connection mixes run natively: past them torch's ops over all rows at once
 # (hyper.py's positions-innermost Sinkhorn) cost less than a row at a time.
 NATIVE_MIX_ROWS = 64
@@ -378,6 +383,15 @@ class Numerics:
             return None
         return native.rope(x, phases)
 
+    def topk(self, scores: torch.Tensor, k: int, *, sorted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """topk.py's `topk` (exact ties to the lower index): one native call on the CPU where the policy
+        has the library (no arithmetic, so the same set and order under every policy; N15)."""
+        if self.native and scores.device.type == "cpu" and not (torch.is_grad_enabled() and scores.requires_grad):
+            out = native.topk(scores, k, sorted)
+            if out is not None:
+                return out
+        return ordered_topk(scores, k, sorted=sorted)
+
     def _native_mix(self, x: torch.Tensor, *others: torch.Tensor) -> bool:
         """x [..., S, D]: few rows on the CPU, at most 4 streams, no autograd recording."""
         if not (self.native and x.device.type == "cpu" and x.shape[-2] <= 4
@@ -388,11 +402,15 @@ class Numerics:
     def _native_product(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the native dense product takes x (rows of the last dim) against `weight`: few rows, on
         the CPU, operands of one dtype, and no autograd to record (the kernel has no backward). Fast
-        numerics take it for bf16 weights only (MKL's fp32 GEMV is as fast here); invariant kernels for
-        bf16 and fp32, with exact products summed in double (`native.gemv(exact=True)`)."""
+        numerics take it for bf16 weights and for fp32 ones of at least `NATIVE_FP32_FROM` values
+        (MKL's fp32 GEMV is as fast below); invariant kernels for bf16 and fp32, with exact products
+        summed in double (`native.gemv(exact=True)`)."""
         if not self.native or weight.dtype != x.dtype or x.device.type != "cpu":
             return False
-        if x.dtype != torch.bfloat16 and not (self.invariant and x.dtype == torch.float32):
+        if x.dtype == torch.float32:
+            if not (self.invariant or weight.numel() >= NATIVE_FP32_FROM):
+                return False
+        elif x.dtype != torch.bfloat16:
             return False
         if x.numel() > NATIVE_GEMV_ROWS * x.shape[-1] * (weight.shape[0] if weight.dim() == 3 else 1):
             return False

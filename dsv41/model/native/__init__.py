@@ -17,7 +17,8 @@ fp32 sums in its own order, where torch's bf16 GEMM (oneDNN) costs ~20–40 µs 
 the weight, or (`exact`) the invariant kernels' float64 product without a float64 copy of the weight.
 It also runs fast numerics' routed experts of a few tokens in one call (`routed_experts`).
 `mixes.c` computes the hyper-connection mixes with Sinkhorn (`split_mixes`) with the bits of the
-reference-order torch path, in one call instead of ~90 torch operations.
+reference-order torch path, in one call instead of ~90 torch operations. `topk.c` takes topk.py's
+top-k (ties to the lower index) in one call instead of its keys' ~10 operations.
 
 Threads come from OpenMP, which loads as torch's own copy of the runtime (the same soname), so a call
 joins torch's warm pool (~1 µs) instead of starting threads.
@@ -44,13 +45,16 @@ import torch
 
 from .. import formats
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("blockgemm.c", "quantize.c", "gemv.c", "mixes.c", "rope.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("blockgemm.c", "quantize.c", "gemv.c", "mixes.c", "rope.c", "topk.c"))
 # Products (P·M·N·K) below which a block GEMM runs on one thread (OpenMP's warm pool costs ~1 µs to
 # join; one thread sums ~2¹⁵ products in ~30 µs).
 THREAD_FROM = 1 << 15
 # Weight values (P·N·K) below which `gemv` runs on one thread: joining OpenMP's warm pool costs ~1 µs,
 # what one thread spends on ~16K bf16 weights.
 GEMV_THREAD_FROM = 1 << 15
+# Scores (rows · n) below which a top-k runs on one thread.
+TOPK_THREAD_FROM = 1 << 16
 # -ffp-contract=off keeps blockgemm.c's fp32 steps unfused (its bits); gemv.c fuses by intrinsics.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-fopenmp")
 
@@ -124,6 +128,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_hc_expand.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 5
     lib.dsv41_rope.restype = None
     lib.dsv41_rope.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 3
+    lib.dsv41_topk.restype = None
+    lib.dsv41_topk.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.dsv41_vector_blocks.restype = ctypes.c_int
     lib.dsv41_vector_blocks.argtypes = []
     experts = lib.dsv41_routed_experts
@@ -219,6 +225,25 @@ def fp8_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     lib.dsv41_fp8_act_quant(flat.numel() // K, K, flat.data_ptr(), formats.ACT_AMAX_FLOOR,
                             formats.INV_FP8_MAX_F32, q.data_ptr(), scale.data_ptr())
     return q, scale
+
+
+def topk(scores: torch.Tensor, k: int, sorted: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """topk.py's `topk(scores, k, sorted=sorted)` of fp32 or bf16 CPU scores [..., n] (ties to the lower
+    index; with `sorted` in descending order, else in none): (values in the scores' dtype, indices
+    int64), or None where the kernel is not available or does not take it."""
+    lib = _library()
+    n = scores.shape[-1]
+    if lib is None or scores.dtype not in _GEMV_DTYPES or not 0 < k <= n or n >= 1 << 32 or scores.numel() == 0:
+        return None
+    flat = scores.contiguous()
+    rows = flat.numel() // n
+    indices = torch.empty(*scores.shape[:-1], k, dtype=torch.int64)
+    values = torch.empty(*scores.shape[:-1], k, dtype=scores.dtype)
+    threads = min(torch.get_num_threads(), rows) if rows * n >= TOPK_THREAD_FROM else 1
+    heap = torch.empty(threads * n, dtype=torch.int64)
+    lib.dsv41_topk(rows, n, k, sorted, threads, flat.data_ptr(), scores.dtype == torch.bfloat16, heap.data_ptr(),
+                   indices.data_ptr(), values.data_ptr())
+    return values, indices
 
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float32)
