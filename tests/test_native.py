@@ -17,7 +17,7 @@ import torch
 from dsv41.config import ConfigError
 from dsv41.model import formats, native
 from dsv41.model.layers import block_scales, quantized_linear, quantized_pairs
-from dsv41.model.numerics import Numerics
+from dsv41.model.numerics import NATIVE_MIX_ROWS, Numerics
 
 TORCH, NATIVE = Numerics("reference", "invariant"), Numerics("reference", "invariant", native=True)
 # Row counts that reach every path of blockgemm.c: the row kernel (1–7), register tiles of 6 rows with
@@ -257,7 +257,8 @@ def mix_inputs(streams: int, rows: int, seed: int):
 @pytest.mark.parametrize("streams", [1, 2, 3, 4])
 def test_native_mixes_are_the_reference_order_path(streams):
     from dsv41.model import hyper
-    for rows, iters, seed in ((1, 20, 1), (16, 20, 2), (64, 20, 3), (7, 1, 4)):
+    # 200 rows: past hyper.INNERMOST_FROM, where torch's path runs positions innermost
+    for rows, iters, seed in ((1, 20, 1), (16, 20, 2), (64, 20, 3), (7, 1, 4), (200, 20, 7)):
         m, scale, base = mix_inputs(streams, rows, seed)
         want = hyper.split_mixes(m, scale, base, streams, iters, 1e-6, TORCH)
         got = hyper.split_mixes(m, scale, base, streams, iters, 1e-6, NATIVE)
@@ -265,8 +266,8 @@ def test_native_mixes_are_the_reference_order_path(streams):
     assert NATIVE.split_mixes(m, scale, base, streams, iters, 1e-6) is not None
     wide = mix_inputs(5, 2, 5)
     assert NATIVE.split_mixes(*wide, 5, 20, 1e-6) is None              # the order is known up to 4 streams
-    many = mix_inputs(streams, 65, 6)
-    assert NATIVE.split_mixes(*many, streams, 20, 1e-6) is None        # prefill-sized: torch over all rows
+    many = mix_inputs(streams, NATIVE_MIX_ROWS + 1, 6)
+    assert NATIVE.split_mixes(*many, streams, 20, 1e-6) is None        # past the cap: torch over all rows
 
 
 def test_a_mutated_mix_is_caught(tmp_path, monkeypatch):
@@ -282,14 +283,14 @@ def test_a_mutated_mix_is_caught(tmp_path, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("streams", [1, 2, 4])
 def test_native_stream_collapse_and_expand_are_the_reference_order_path(dtype, streams):
-    """hc_pre and hc_post at decode row counts: the torch path's bits, NaN and ±0 included."""
+    """hc_pre and hc_post at decode and prefill row counts: the torch path's bits, NaN and ±0 included."""
     from dsv41.model import hyper
     g = torch.Generator().manual_seed(streams)
-    for rows in (1, 16, 64):
-        scale = torch.exp2(torch.randint(-12, 12, (1, rows, streams, 96), generator=g).float())
-        R = (torch.randn(1, rows, streams, 96, generator=g) * scale).to(dtype)
+    for rows, width in ((1, 96), (16, 300), (64, 96), (200, 96)):      # 300: a chunk of 256 and a tail
+        scale = torch.exp2(torch.randint(-12, 12, (1, rows, streams, width), generator=g).float())
+        R = (torch.randn(1, rows, streams, width, generator=g) * scale).to(dtype)
         R[0, 0, :, :3] = torch.tensor([0.0, -0.0, float("nan")]).to(dtype)
-        o = (torch.randn(1, rows, 96, generator=g) * 100).to(dtype)
+        o = (torch.randn(1, rows, width, generator=g) * 100).to(dtype)
         o[0, 0, :2] = torch.tensor([-0.0, 0.0]).to(dtype)
         pre, post = torch.rand(1, rows, streams, generator=g), 2 * torch.rand(1, rows, streams, generator=g)
         comb = hyper.sinkhorn(torch.randn(1, rows, streams, streams, generator=g), 20, 1e-6, TORCH)
@@ -300,13 +301,15 @@ def test_native_stream_collapse_and_expand_are_the_reference_order_path(dtype, s
             assert torch.equal(got.nan_to_num().view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                                want.nan_to_num().view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
     assert NATIVE.hc_collapse(R, pre) is not None
-    assert NATIVE.hc_collapse(torch.zeros(1, 65, streams, 8, dtype=dtype), torch.zeros(1, 65, streams)) is None
+    rows = NATIVE_MIX_ROWS + 1                                          # past the cap: hyper.py's path
+    assert NATIVE.hc_collapse(torch.zeros(1, rows, streams, 8, dtype=dtype), torch.zeros(1, rows, streams)) is None
 
 
 def test_a_mutated_stream_collapse_is_caught(tmp_path, monkeypatch):
     """hc_pre's sum over the streams taken in reverse: other bits than torch's."""
-    lib = mutated_library("mixes.c", "for (int64_t i = 0; i < S; i++) acc = acc + pre",
-                          "for (int64_t i = S - 1; i >= 0; i--) acc = acc + pre", tmp_path, monkeypatch)
+    lib = mutated_library("mixes.c", "for (int64_t i = 0; i < S; i++) {\n                const float w = pre",
+                          "for (int64_t i = S - 1; i >= 0; i--) {\n                const float w = pre", tmp_path,
+                          monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         test_native_stream_collapse_and_expand_are_the_reference_order_path(torch.float32, 4)
@@ -392,8 +395,9 @@ def test_native_attention_products_are_the_float64_einsums(monkeypatch):
     """A block's logits and P·V (bf16-valued operands, as attention.py has them) at decode and prefill
     row counts: the invariant einsums' bits, for more heads than the kernel's rows at once (20 = 8 + 8 + 4)."""
     calls = []
-    real = native.gemv
+    real, real_kn = native.gemv, native.exact_kn
     monkeypatch.setattr(native, "gemv", lambda *a, **k: calls.append(k["exact"]) or real(*a, **k))
+    monkeypatch.setattr(native, "exact_kn", lambda *a: calls.append("kn") or real_kn(*a))
     g = torch.Generator().manual_seed(31)
     for B, T, H in ((1, 1, 8), (2, 2, 20), (4, 1, 3), (1, 37, 8)):
         q = (torch.randn(B, T, H, 128, generator=g) * 8).to(torch.bfloat16).float()
@@ -401,10 +405,19 @@ def test_native_attention_products_are_the_float64_einsums(monkeypatch):
         p = torch.rand(B, T, H, 64, generator=g).to(torch.bfloat16).float()
         assert torch.equal(NATIVE.attention_scores(q, kv), TORCH.attention_scores(q, kv))
         assert torch.equal(NATIVE.attention_values(p, kv), TORCH.attention_values(p, kv))
-    assert calls == [True] * 8
+    assert calls == [True, "kn"] * 4
     q = torch.zeros(5, 1, 8, 128, dtype=torch.float64)                     # not fp32: the einsum
     NATIVE.attention_scores(q, torch.zeros(5, 1, 64, 128, dtype=torch.float64))
     assert len(calls) == 8
+
+
+def test_a_mutated_value_product_is_caught(tmp_path, monkeypatch):
+    """P·V with its partial sums rounded to fp32 at every step: other bits than the float64 einsum."""
+    lib = mutated_library("gemv.c", "dst[n] += a * (double)row[n];", "dst[n] = (float)(dst[n] + a * (double)row[n]);",
+                          tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_native_attention_products_are_the_float64_einsums(monkeypatch)
 
 
 def qdq_inputs(dtype) -> torch.Tensor:

@@ -86,9 +86,12 @@ NATIVE_GEMV_ROWS = 4
 # large weight at ~15 GB/s here (the 8192 × 512 head 719 µs, native 201 µs) and wins below ~1M values
 # (a 24 × 2048 mix projection 5.6 µs against 11 µs).
 NATIVE_FP32_FROM = 1 << 20
-# Most rows whose hyper-connection mixes run natively: past them torch's ops over all rows at once
-# (hyper.py's positions-innermost Sinkhorn) cost less than a row at a time.
-NATIVE_MIX_ROWS = 64
+# Most rows whose hyper-connection mixes (Sinkhorn, hc_pre, hc_post) run natively, on one thread:
+# from 1 to 512 rows 2–8× faster than torch's ops on two (docs/NUMERICS.md N16); a cap for long
+# prefills on many cores, where torch's threads would gain (not measured here).
+NATIVE_MIX_ROWS = 1 << 12
+# Most positions whose RoPE and QDQ points run natively: the rotation matches torch's from 16 rows up.
+NATIVE_POSITIONS = 64
 # Most (token, expert) pairs fast numerics' native routed experts take in one call (a batch of
 # decode rows): past it a prefill's experts have enough rows each for the BLAS.
 NATIVE_EXPERT_PAIRS = 128
@@ -210,8 +213,8 @@ class Numerics:
         return formats.fp4_qdq_e8m0(x, 32) if native_qdq is None else native_qdq
 
     def _native_qdq(self, x: torch.Tensor, point: str) -> torch.Tensor | None:
-        """x [B, T, …]: at most `NATIVE_MIX_ROWS` positions on the CPU, no autograd recording."""
-        if not (self.native and x.device.type == "cpu" and x.dim() >= 3 and x.shape[:2].numel() <= NATIVE_MIX_ROWS):
+        """x [B, T, …]: at most `NATIVE_POSITIONS` positions on the CPU, no autograd recording."""
+        if not (self.native and x.device.type == "cpu" and x.dim() >= 3 and x.shape[:2].numel() <= NATIVE_POSITIONS):
             return None
         if torch.is_grad_enabled() and x.requires_grad:
             return None
@@ -318,10 +321,9 @@ class Numerics:
         """p [B, T, H, n] · kv [B, T, n, Dh] → fp32 [B, T, H, Dh] (a block's P·V), as `attention_scores`."""
         if self._native_attention(p, kv):
             B, T, H, n = p.shape
-            out = p.new_empty(B, T, H, kv.shape[3])
-            values = kv.reshape(B * T, n, -1).transpose(1, 2).contiguous()             # [BT, Dh, n]
-            if native.gemv(p.reshape(B * T, H, n), values, out.view(B * T, H, -1), exact=True):
-                return out
+            out = native.exact_kn(p.reshape(B * T, H, n), kv.reshape(B * T, n, -1))       # kv K-major
+            if out is not None:
+                return out.view(B, T, H, -1)
         return self.einsum("bthn,btnd->bthd", p, kv)
 
     def _native_attention(self, a: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -374,10 +376,10 @@ class Numerics:
         return native.hc_expand(out, residual, post, comb)
 
     def rope(self, x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor | None:
-        """rope.py `Rotary.rotate` of at most `NATIVE_MIX_ROWS` positions in one native call, with its
+        """rope.py `Rotary.rotate` of at most `NATIVE_POSITIONS` positions in one native call, with its
         bits (docs/NUMERICS.md N13): phases complex64 [B or 1, T, R/2], conjugated for the inverse; None
         where the policy leaves it to rope.py."""
-        if not (self.native and x.device.type == "cpu" and x.shape[:2].numel() <= NATIVE_MIX_ROWS):
+        if not (self.native and x.device.type == "cpu" and x.shape[:2].numel() <= NATIVE_POSITIONS):
             return None
         if torch.is_grad_enabled() and x.requires_grad:
             return None

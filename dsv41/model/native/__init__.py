@@ -128,6 +128,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_hc_expand.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 5
     lib.dsv41_rope.restype = None
     lib.dsv41_rope.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 3
+    lib.dsv41_gemv_exact_kn.restype = ctypes.c_int
+    lib.dsv41_gemv_exact_kn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.dsv41_topk.restype = None
     lib.dsv41_topk.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.dsv41_vector_blocks.restype = ctypes.c_int
@@ -271,6 +273,20 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, exact: bool = Fals
     threads = torch.get_num_threads() if P * N * K >= GEMV_THREAD_FROM else 1
     return lib.dsv41_gemv(P, M, N, K, x.dtype == bf16, w.dtype == bf16, out.dtype == bf16, exact, threads,
                           x.data_ptr(), x_sp, x_sm, w.data_ptr(), w_sp, w_sn, out.data_ptr(), o_sp, o_sm) == 0
+
+
+def exact_kn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x [P, M, K] · w [P, K, N] → fp32 [P, M, N] for contiguous fp32 CPU tensors: exact products summed
+    in double, rounded once (`gemv`'s exact mode with the weight K-major). None where the kernel is not
+    available or could not run."""
+    lib = _library()
+    if lib is None or x.dtype != torch.float32 or w.dtype != torch.float32 or not (x.is_contiguous() and w.is_contiguous()):
+        return None
+    (P, M, K), N = x.shape, w.shape[2]
+    out = torch.empty(P, M, N, dtype=torch.float32)
+    threads = torch.get_num_threads() if P * M * N * K >= GEMV_THREAD_FROM else 1
+    status = lib.dsv41_gemv_exact_kn(P, M, N, K, threads, x.data_ptr(), w.data_ptr(), out.data_ptr())
+    return out if status == 0 else None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> torch.Tensor | None:

@@ -219,6 +219,40 @@ int dsv41_gemv(int64_t P, int64_t M, int64_t N, int64_t K, int x_bf16, int w_bf1
     return 0;
 }
 
+/* out[p, m, n] = Σ_k x[p, m, k] · w[p, k, n], the weight K-major (a block's P·V against its values as
+ * the cache holds them, without a transposed copy): `exact` mode's products in double, summed in
+ * double and rounded once to fp32, the loop over n in vector lanes. fp32 operands, contiguous.
+ * Returns 0, or -1 (an allocation failed; `out` untouched). */
+int dsv41_gemv_exact_kn(int64_t P, int64_t M, int64_t N, int64_t K, int threads, const float *x, const float *w,
+                        float *out) {
+    if (threads < 1) threads = 1;
+    if (threads > P) threads = (int)P;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) if (threads > 1) reduction(|: failed)
+    {
+        int t = 0, nt = 1;
+#if defined(_OPENMP)
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        double *acc = malloc(sizeof(double) * (size_t)(M * N));
+        if (acc == NULL) failed = 1;
+        for (int64_t p = P * t / nt; acc != NULL && p < P * (t + 1) / nt; p++) {
+            for (int64_t i = 0; i < M * N; i++) acc[i] = 0.0;
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t k = 0; k < K; k++) {
+                    const double a = x[(p * M + m) * K + k];
+                    const float *row = w + (p * K + k) * N;
+                    double *dst = acc + m * N;
+                    for (int64_t n = 0; n < N; n++) dst[n] += a * (double)row[n];
+                }
+            for (int64_t i = 0; i < M * N; i++) out[p * M * N + i] = (float)acc[i];
+        }
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}
+
 /* The routed experts of a few tokens (moe.py `RoutedExperts`), fast numerics: every (token, expert)
  * pair's SwiGLU, its routing weight and its down projection, summed per token in ascending expert
  * order, in one call instead of a sort, a gather and three products per expert as torch ops.

@@ -63,47 +63,76 @@ int dsv41_split_mixes(int64_t rows, int64_t S, int64_t iters, const float *m, co
     return 0;
 }
 
-static inline float load(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline void store(void *p, int64_t i, float v, int bf16) {
+/* n values of an fp32 or bf16 row as floats (a bf16 value widens exactly: the upper half of a float),
+ * and back, rounded to nearest even with NaN kept quiet as torch's cast does; one loop per dtype, so
+ * each vectorises. */
+static void widen(const void *src, int bf16, int64_t n, float *dst) {
     if (!bf16) {
-        ((float *)p)[i] = v;
+        memcpy(dst, src, sizeof(float) * n);
         return;
     }
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) u = (u | 0x00400000u);          /* quiet NaN */
-    else u += 0x7fffu + ((u >> 16) & 1u);                                  /* to nearest even */
-    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    const uint16_t *h = (const uint16_t *)src;
+    uint32_t *u = (uint32_t *)dst;
+    for (int64_t d = 0; d < n; d++) u[d] = (uint32_t)h[d] << 16;
 }
 
+static void narrow(const float *src, int64_t n, int bf16, void *dst) {
+    if (!bf16) {
+        memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+    const uint32_t *u = (const uint32_t *)src;
+    uint16_t *h = (uint16_t *)dst;
+    for (int64_t d = 0; d < n; d++) {
+        const uint32_t rounded = (u[d] & 0x7fffffffu) > 0x7f800000u ? (u[d] | 0x00400000u)
+                                                                     : u[d] + 0x7fffu + ((u[d] >> 16) & 1u);
+        h[d] = (uint16_t)(rounded >> 16);
+    }
+}
+
+#define CHUNK 256
+#define MAX_STREAMS 4
+
 /* hc_pre (hyper.py `collapse`): out[r, d] = Σ_i pre[r, i] · x[r, i, d] in fp32, i in order from 0 (the
- * order and the zero start of torch's reduction over the stream dim), rounded to x's dtype. */
+ * order and the zero start of torch's reduction over the stream dim), rounded to x's dtype. Each
+ * element's steps are its own, so the loop over d runs in vector lanes, CHUNK values at a time. */
 void dsv41_hc_collapse(int64_t rows, int64_t S, int64_t D, int bf16, const void *x, const float *pre, void *out) {
+    const size_t width = bf16 ? 2 : 4;
+    float acc[CHUNK], v[CHUNK];
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t d = 0; d < D; d++) {
-            float acc = 0.0f;
-            for (int64_t i = 0; i < S; i++) acc = acc + pre[r * S + i] * load(x, (r * S + i) * D + d, bf16);
-            store(out, r * D + d, acc, bf16);
+        for (int64_t d0 = 0; d0 < D; d0 += CHUNK) {
+            const int64_t n = D - d0 < CHUNK ? D - d0 : CHUNK;
+            for (int64_t d = 0; d < n; d++) acc[d] = 0.0f;
+            for (int64_t i = 0; i < S; i++) {
+                const float w = pre[r * S + i];
+                widen((const char *)x + ((r * S + i) * D + d0) * width, bf16, n, v);
+                for (int64_t d = 0; d < n; d++) acc[d] = acc[d] + w * v[d];
+            }
+            narrow(acc, n, bf16, (char *)out + (r * D + d0) * width);
         }
 }
 
 /* hc_post (hyper.py `expand`): stream j of row r = post[r, j] · o[r] + Σ_i comb[r, i, j] · R[r, i] in
- * fp32 (the sum as `collapse`'s), rounded to o's dtype; R and the result [rows, S, D]. */
+ * fp32 (the sum as `collapse`'s), rounded to o's dtype; R and the result [rows, S, D], S ≤ 4. */
 void dsv41_hc_expand(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
                      const float *post, const float *comb, void *out) {
+    const size_t width = bf16 ? 2 : 4;
+    float streams[MAX_STREAMS][CHUNK], ov[CHUNK], mixed[CHUNK];
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < S; j++)
-            for (int64_t d = 0; d < D; d++) {
-                float mixed = 0.0f;
-                for (int64_t i = 0; i < S; i++)
-                    mixed = mixed + comb[(r * S + i) * S + j] * load(residual, (r * S + i) * D + d, bf16);
-                store(out, (r * S + j) * D + d, post[r * S + j] * load(o, r * D + d, bf16) + mixed, bf16);
+        for (int64_t d0 = 0; d0 < D; d0 += CHUNK) {
+            const int64_t n = D - d0 < CHUNK ? D - d0 : CHUNK;
+            for (int64_t i = 0; i < S; i++)
+                widen((const char *)residual + ((r * S + i) * D + d0) * width, bf16, n, streams[i]);
+            widen((const char *)o + (r * D + d0) * width, bf16, n, ov);
+            for (int64_t j = 0; j < S; j++) {
+                for (int64_t d = 0; d < n; d++) mixed[d] = 0.0f;
+                for (int64_t i = 0; i < S; i++) {
+                    const float c = comb[(r * S + i) * S + j];
+                    for (int64_t d = 0; d < n; d++) mixed[d] = mixed[d] + c * streams[i][d];
+                }
+                const float p = post[r * S + j];
+                for (int64_t d = 0; d < n; d++) mixed[d] = p * ov[d] + mixed[d];
+                narrow(mixed, n, bf16, (char *)out + ((r * S + j) * D + d0) * width);
             }
+        }
 }
