@@ -9,6 +9,8 @@ ties rounded away from zero, the up projection left unclamped from below) must f
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -205,3 +207,56 @@ def test_a_mutated_fast_kernel_is_caught(old, new, check, tmp_path, monkeypatch)
             test_bf16_results_round_to_nearest_even_like_torch()
         else:
             test_routed_experts_are_the_swiglu_mixture(2.0)
+
+
+def attention_formula(q, pool, rows, sink, scale):
+    """float64 softmax with the sink over each query's listed rows (−1: none; twice listed: twice)."""
+    B, T, H, Dh = q.shape
+    out = torch.zeros(B, T, H, Dh, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            listed = [j for j in rows[b, t].tolist() if j >= 0]
+            for h in range(H):
+                if not listed:
+                    continue
+                kv = pool[b, listed].double()
+                z = kv @ q[b, t, h].double() * scale
+                m = max(z.max().item(), -1e30)
+                p = torch.exp(z - m)
+                out[b, t, h] = p @ kv / (p.sum() + math.exp(sink[h].item() - m))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_sparse_attention_is_the_softmax_with_its_sink(dtype, monkeypatch):
+    """A decode step's attention without blocks (fast numerics), through attention.py: the float64
+    formula within fp32 error (fp32) or one bf16 rounding (bf16), with unlisted entries, a row listed
+    twice, a query with no row (zeros) and more than one batch row."""
+    from dsv41.model.attention import sparse_attention
+    g = torch.Generator().manual_seed(12)
+    B, T, H, Dh, N, n = 2, 3, 4, 40, 50, 9
+    q = torch.randn(B, T, H, Dh, generator=g).to(dtype)
+    pool = torch.randn(B, N, Dh, generator=g).to(dtype)
+    rows = torch.randint(0, N, (B, T, n), generator=g)
+    rows[0, 0, :4] = -1
+    rows[0, 1, 1] = rows[0, 1, 0]
+    rows[1, 2] = -1
+    sink = torch.randn(H, generator=g)
+    calls = []
+    real = native.sparse_attention
+    monkeypatch.setattr(native, "sparse_attention", lambda *a: calls.append(1) or real(*a))
+    got = sparse_attention(q, pool, rows, sink, 0.125, FAST_NATIVE)
+    want = attention_formula(q, pool, rows, sink, 0.125)
+    assert calls == [1] and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -8
+    assert ((got.double() - want).abs() <= tol * (want.abs() + 1)).all()
+    assert (got[1, 2] == 0).all()
+    assert torch.allclose(got.float(), sparse_attention(q, pool, rows, sink, 0.125, FAST).float(), atol=tol * 4)
+
+
+def test_a_mutated_sparse_attention_is_caught(tmp_path, monkeypatch):
+    """The sink left out of the denominator: off the formula."""
+    lib = mutated_library("attention.c", "denom += expf(sink[h] - m);", "denom += 0.0f;", tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_native_sparse_attention_is_the_softmax_with_its_sink(torch.float32, monkeypatch)

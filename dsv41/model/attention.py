@@ -92,6 +92,9 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, si
     (docs/NUMERICS.md N6).
     Without a block it is one exact fp32 softmax over the whole list.
     """
+    whole = numerics.sparse_attention(q, pool, rows, sink, scale, SCORE_FLOOR)
+    if whole is not None:
+        return whole
     B, T, H, _ = q.shape
     block = numerics.attention_block
     if block is None and pool.shape[1] <= POOL_SCORES_FACTOR * rows.shape[-1]:

@@ -326,6 +326,18 @@ class Numerics:
                 return out.view(B, T, H, -1)
         return self.einsum("bthn,btnd->bthd", p, kv)
 
+    def sparse_attention(self, q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor,
+                         scale: float, floor: float) -> torch.Tensor | None:
+        """attention.py's `sparse_attention` in one native call where the policy has no attention blocks
+        (fast numerics) and the call is a decode step's (at most `NATIVE_POSITIONS` query positions, no
+        autograd); None where it leaves it to attention.py (docs/NUMERICS.md N17)."""
+        if not (self.native and self.attention_block is None and q.device.type == "cpu"
+                and q.shape[0] * q.shape[1] <= NATIVE_POSITIONS):
+            return None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, pool, sink)):
+            return None
+        return native.sparse_attention(q, pool, rows, sink, scale, floor)
+
     def _native_attention(self, a: torch.Tensor, kv: torch.Tensor) -> bool:
         return (self.native and self.invariant and a.dtype == kv.dtype == torch.float32 and a.device.type == "cpu"
                 and a.is_contiguous() and kv.is_contiguous()

@@ -18,7 +18,8 @@ the weight, or (`exact`) the invariant kernels' float64 product without a float6
 It also runs fast numerics' routed experts of a few tokens in one call (`routed_experts`).
 `mixes.c` computes the hyper-connection mixes with Sinkhorn (`split_mixes`) with the bits of the
 reference-order torch path, in one call instead of ~90 torch operations. `topk.c` takes topk.py's
-top-k (ties to the lower index) in one call instead of its keys' ~10 operations.
+top-k (ties to the lower index) in one call instead of its keys' ~10 operations; `attention.c` a
+fast decode step's sparse attention (one softmax with the sink) instead of ~20.
 
 Threads come from OpenMP, which loads as torch's own copy of the runtime (the same soname), so a call
 joins torch's warm pool (~1 µs) instead of starting threads.
@@ -46,7 +47,7 @@ import torch
 from .. import formats
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("blockgemm.c", "quantize.c", "gemv.c", "mixes.c", "rope.c", "topk.c"))
+                for name in ("blockgemm.c", "quantize.c", "gemv.c", "mixes.c", "rope.c", "topk.c", "attention.c"))
 # Products (P·M·N·K) below which a block GEMM runs on one thread (OpenMP's warm pool costs ~1 µs to
 # join; one thread sums ~2¹⁵ products in ~30 µs).
 THREAD_FROM = 1 << 15
@@ -130,6 +131,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_rope.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.dsv41_gemv_exact_kn.restype = ctypes.c_int
     lib.dsv41_gemv_exact_kn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3
+    lib.dsv41_sparse_attention.restype = ctypes.c_int
+    lib.dsv41_sparse_attention.argtypes = ([ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p, ctypes.c_int] * 2
+                                           + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int])
     lib.dsv41_topk.restype = None
     lib.dsv41_topk.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.dsv41_vector_blocks.restype = ctypes.c_int
@@ -273,6 +277,26 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, exact: bool = Fals
     threads = torch.get_num_threads() if P * N * K >= GEMV_THREAD_FROM else 1
     return lib.dsv41_gemv(P, M, N, K, x.dtype == bf16, w.dtype == bf16, out.dtype == bf16, exact, threads,
                           x.data_ptr(), x_sp, x_sm, w.data_ptr(), w_sp, w_sn, out.data_ptr(), o_sp, o_sm) == 0
+
+
+def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor, scale: float,
+                     floor: float) -> torch.Tensor | None:
+    """attention.py's `sparse_attention` without blocks (one fp32 softmax per query and head, with the
+    sink): q [B, T, H, Dh] over the listed rows [B, T, n] (−1: none; the model's own indices, below
+    N) of pool [B, N, Dh], bf16 or fp32, → q's dtype. None where the kernel is not available."""
+    lib = _library()
+    if lib is None or q.dtype not in _GEMV_DTYPES or pool.dtype not in _GEMV_DTYPES:
+        return None
+    q, pool, rows = q.contiguous(), pool.contiguous(), rows.to(torch.int64).contiguous()
+    sink = sink.float().contiguous()
+    (B, T, H, Dh), N, n = q.shape, pool.shape[1], rows.shape[-1]
+    out = torch.empty_like(q)
+    threads = torch.get_num_threads() if B * T * H * n * Dh >= GEMV_THREAD_FROM and B * T > 1 else 1
+    bf16 = torch.bfloat16
+    status = lib.dsv41_sparse_attention(B, T, H, Dh, N, n, threads, q.data_ptr(), q.dtype == bf16, pool.data_ptr(),
+                                        pool.dtype == bf16, rows.data_ptr(), sink.data_ptr(), scale, floor,
+                                        out.data_ptr(), out.dtype == bf16)
+    return out if status == 0 else None
 
 
 def exact_kn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
