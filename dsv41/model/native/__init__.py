@@ -1,11 +1,13 @@
-"""C kernels for a decode step's small operations, built on first use (docs/NUMERICS.md N11–N13).
+"""C kernels for the CPU's decode steps and reference prefills, built on first use (docs/NUMERICS.md
+N11–N17).
 
 Shapes: P pairs (one weight each; 1 for a plain Linear), M activation rows, K reduction width, N outputs.
 
-`blockgemm.c` computes the reference's blockwise GEMM (§6.3) for a few rows straight from the stored
-fp8 / fp4 bytes: each block's 32 products summed exactly (fp8 in double lanes, fp4 in int32), rounded
-once to fp32, scaled and accumulated in K order: the bits of `Numerics.block_scaled_matmul`'s invariant
-path, without decoding the weight into a tensor first. It also quantises a GEMM's activations in one
+`blockgemm.c` computes the reference's blockwise GEMM (§6.3) straight from the stored fp8 / fp4 bytes,
+a decode step's rows one by one and a prefill's in register tiles: each block's 32 products summed
+exactly (in double lanes; fp4 in int32 on CPUs without AVX-512), rounded once to fp32, scaled and
+accumulated in K order: the bits of `Numerics.block_scaled_matmul`'s invariant path, without decoding
+the weight into a tensor first. It also quantises a GEMM's activations in one
 pass and the whole quantised linear in one call (`quantized_linear`). The torch path decodes every
 weight byte by a table lookup into a new tensor and then multiplies it: at a decode step that is
 several passes over memory per weight. `quantize.c` holds the QDQ points: the activation quantisation

@@ -1,5 +1,6 @@
-/* The quantised blockwise GEMM of docs/ARCHITECTURE.md §6.3 for a few activation rows, read straight
- * from the stored weight bytes (dsv41/model/native/__init__.py builds and calls it; docs/NUMERICS.md N11),
+/* The quantised blockwise GEMM of docs/ARCHITECTURE.md §6.3, read straight from the stored weight
+ * bytes: a decode step's few rows one at a time, a prefill's in register tiles (dsv41/model/native/
+ * __init__.py builds and calls it; docs/NUMERICS.md N11, N14),
  * whole with its activation quantisation (quantize.c) and stored ue8m0 scales in `dsv41_quantized_linear`.
  *
  * out[p, m, n] = Σ_k in K order, in fp32:  fp32(S) · qs[p, m, k] · ws[p, n, k],
