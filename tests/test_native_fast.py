@@ -196,12 +196,16 @@ def test_routed_experts_layer_takes_the_kernel_and_matches_its_torch_path():
     ("for (; k < K; k++) {", "for (; k + 1 < K; k++) {", "product"),          # the tail's last element lost
     ("u += 0x7fffu + ((u >> 16) & 1u);", "u += 0x8000u;", "rounding"),        # ties away from zero
     ("u = u < -limit ? -limit :", "u = u < -limit ? u :", "experts"),        # up unclamped from below
+    # the AVX-512 register tiles (2 … 8 rows): a tile's first output row written for all four
+    ("put(g, p, m0 + r, n + i, acc[r][i]);", "put(g, p, m0 + r, n + i, acc[r][0]);", "tiles"),
 ])
 def test_a_mutated_fast_kernel_is_caught(old, new, check, tmp_path, monkeypatch):
+    if check == "tiles" and not native._library().dsv41_vector_blocks():
+        pytest.skip("this CPU builds gemv.c without AVX-512 tiles")
     lib = mutated_library("gemv.c", old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
-        if check == "product":
+        if check in ("product", "tiles"):
             test_gemv_is_the_product_within_fp32_error(torch.float32, torch.float32, 33)
         elif check == "rounding":
             test_bf16_results_round_to_nearest_even_like_torch()
@@ -260,3 +264,33 @@ def test_a_mutated_sparse_attention_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         test_native_sparse_attention_is_the_softmax_with_its_sink(torch.float32, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_rms_norm_is_the_formula(dtype, monkeypatch):
+    """Fast numerics' decode-row RMSNorm through the module: the float64 formula within fp32 error
+    (fp32) or one bf16 rounding (bf16), a zero row included (eps alone); prefill-sized calls keep torch's."""
+    from dsv41.model.layers import RMSNorm
+    g = torch.Generator().manual_seed(13)
+    norm = RMSNorm(300, 1e-6, numerics=FAST_NATIVE, dtype=dtype)
+    norm.weight.data = torch.randn(300, generator=g).to(dtype)
+    x = (torch.randn(1, 5, 300, generator=g) * 30).to(dtype)
+    x[0, 2] = 0
+    calls = []
+    real = native.rms_norm
+    monkeypatch.setattr(native, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    got = norm(x)
+    norm(torch.zeros(1, 65, 300, dtype=dtype))                            # 65 positions: torch's
+    h = x.double()
+    want = norm.weight.double() * h / torch.sqrt(h.square().mean(-1, keepdim=True) + 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -8
+    assert calls == [1] and got.dtype == dtype and (got[0, 2] == 0).all()
+    assert ((got.double() - want).abs() <= tol * (want.abs() + 1e-3)).all()
+
+
+def test_a_mutated_rms_norm_is_caught(tmp_path, monkeypatch):
+    """The mean taken over D − 1 values: off the formula."""
+    lib = mutated_library("norm.c", "squares / (float)D + eps", "squares / (float)(D - 1) + eps", tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_native_rms_norm_is_the_formula(torch.float32, monkeypatch)

@@ -156,11 +156,11 @@ class Attention(nn.Module):
         dense = dense_storage(cfg)
         self.attn_sink = nn.Parameter(torch.empty(self.n_heads, device=device, dtype=torch.float32), requires_grad=False)
         self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, dense, **kw)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, device=device)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, numerics=numerics, device=device)
         self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, dense,
                                          shard=parallel.shard("attn.wq_b"), **kw)
         self.wkv = Linear(cfg.dim, cfg.head_dim, dense, **kw)
-        self.kv_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device=device)
+        self.kv_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, numerics=numerics, device=device)
         # wo_a is used in a grouped einsum, not a quantised GEMM: held in bf16 (§6.2).
         self.wo_a = ColumnParallelLinear(cfg.group_width, cfg.o_groups * cfg.o_lora_rank, "bf16", stored_as=dense,
                                          shard=parallel.shard("attn.wo_a"), **kw)

@@ -40,8 +40,8 @@ class Block(nn.Module):
         self.ffn = MoE(cfg.dim, cfg.moe_inter_dim, n_experts, n_active, cfg.route_scale, cfg.swiglu_limit,
                        expert_storage(cfg), vision=cfg.vision_enabled, gate_temp=cfg.gate_temp,
                        dense_storage=dense_storage(cfg), parallel=parallel, **kw)
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=numerics, device=device)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=numerics, device=device)
         width, flat = cfg.hc_mix_width, cfg.hc_mult * cfg.dim
         for sub in ("attn", "ffn"):
             self.register_parameter(f"hc_{sub}_fn", _fp32_param((width, flat), device))

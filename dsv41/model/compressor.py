@@ -30,7 +30,7 @@ class Compressor(nn.Module):
         self.wkv = Linear(dim, head_dim, storage, **kw)
         if ratio > 1:
             self.wgate = Linear(dim, head_dim, storage, **kw)
-        self.norm = RMSNorm(head_dim, norm_eps, device=device)
+        self.norm = RMSNorm(head_dim, norm_eps, numerics=numerics, device=device)
 
     def forward(self, x: torch.Tensor, start_pos: int, state: SourceState, slot: int) -> tuple[torch.Tensor, int]:
         """x [n, D] (one row's normed attention input, positions start_pos …) → (latents [g, Dh] pre-RoPE,

@@ -120,9 +120,9 @@ class DSparkStage(Block):
         if index == 0:
             width = cfg.dim * len(cfg.dspark_target_layer_ids)
             self.main_proj = Linear(width, cfg.dim, dense_storage(cfg), numerics=numerics, device=device, dtype=dtype)
-            self.main_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+            self.main_norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=numerics, device=device)
         if index == cfg.n_mtp_layers - 1:
-            self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=numerics, device=device)
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, numerics=numerics,
                                           device=device, parallel=parallel)
             self.confidence_head = ConfidenceHead(cfg.dim + cfg.dspark_markov_rank, numerics=numerics, device=device)

@@ -179,7 +179,7 @@ class Indexer(nn.Module):
         self.owns_keys = owns_keys
         if owns_keys:
             self.wk = Linear(head_dim, index_head_dim, "bf16", numerics=numerics, device=device, dtype=dtype)
-            self.k_norm = RMSNorm(index_head_dim, norm_eps, device=device)
+            self.k_norm = RMSNorm(index_head_dim, norm_eps, numerics=numerics, device=device)
 
     def tiling(self, n_queries: int, n_compressed: int, itemsize: int) -> IndexerTiling:
         """This indexer's chunking of a call (its budget and kernels)."""

@@ -32,14 +32,19 @@ STORAGES = ("fp8", "fp4", "bf16", "fp32")
 
 
 class RMSNorm(nn.Module):
-    """`bf16(w · x / sqrt(mean(x²) + eps))` with statistics and scaling in fp32 (§6.7)."""
+    """`bf16(w · x / sqrt(mean(x²) + eps))` with statistics and scaling in fp32 (§6.7); with a policy,
+    the policy's kernel where it has one (`Numerics.rms_norm`)."""
 
-    def __init__(self, dim: int, eps: float, *, device=None, dtype=torch.bfloat16):
+    def __init__(self, dim: int, eps: float, *, numerics: Numerics | None = None, device=None, dtype=torch.bfloat16):
         super().__init__()
-        self.eps = eps
+        self.eps, self.numerics = eps, numerics
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.numerics is not None:
+            out = self.numerics.rms_norm(x, self.weight, self.eps)
+            if out is not None:
+                return out
         h = x.float()
         h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)
         return (self.weight * h).to(x.dtype)

@@ -326,6 +326,17 @@ class Numerics:
                 return out.view(B, T, H, -1)
         return self.einsum("bthn,btnd->bthd", p, kv)
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """layers.py's RMSNorm in one native call for fast numerics' decode rows (at most
+        `NATIVE_POSITIONS` of them, no autograd; docs/NUMERICS.md N18). None where the policy leaves it to
+        torch: reference numerics keep torch's mean, whose summation order the kernel does not reproduce."""
+        if not (self.native and not self.invariant and not self.quantized and x.device.type == "cpu"
+                and x.numel() <= NATIVE_POSITIONS * x.shape[-1]):
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return None
+        return native.rms_norm(x, weight, eps)
+
     def sparse_attention(self, q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor,
                          scale: float, floor: float) -> torch.Tensor | None:
         """attention.py's `sparse_attention` in one native call where the policy has no attention blocks

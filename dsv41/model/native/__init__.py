@@ -1,5 +1,5 @@
 """C kernels for the CPU's decode steps and reference prefills, built on first use (docs/NUMERICS.md
-N11–N17).
+N11–N18).
 
 Shapes: P pairs (one weight each; 1 for a plain Linear), M activation rows, K reduction width, N outputs.
 
@@ -21,7 +21,7 @@ It also runs fast numerics' routed experts of a few tokens in one call (`routed_
 `mixes.c` computes the hyper-connection mixes with Sinkhorn (`split_mixes`) with the bits of the
 reference-order torch path, in one call instead of ~90 torch operations. `topk.c` takes topk.py's
 top-k (ties to the lower index) in one call instead of its keys' ~10 operations; `attention.c` a
-fast decode step's sparse attention (one softmax with the sink) instead of ~20.
+fast decode step's sparse attention (one softmax with the sink) instead of ~20, `norm.c` its RMSNorms.
 
 Threads come from OpenMP, which loads as torch's own copy of the runtime (the same soname), so a call
 joins torch's warm pool (~1 µs) instead of starting threads.
@@ -49,7 +49,8 @@ import torch
 from .. import formats
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("blockgemm.c", "quantize.c", "gemv.c", "mixes.c", "rope.c", "topk.c", "attention.c"))
+                for name in ("blockgemm.c", "quantize.c", "gemv.c", "mixes.c", "rope.c", "topk.c", "attention.c",
+                             "norm.c"))
 # Products (P·M·N·K) below which a block GEMM runs on one thread (OpenMP's warm pool costs ~1 µs to
 # join; one thread sums ~2¹⁵ products in ~30 µs).
 THREAD_FROM = 1 << 15
@@ -136,6 +137,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_sparse_attention.restype = ctypes.c_int
     lib.dsv41_sparse_attention.argtypes = ([ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p, ctypes.c_int] * 2
                                            + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int])
+    lib.dsv41_rms_norm.restype = None
+    lib.dsv41_rms_norm.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_float] + [ctypes.c_void_p, ctypes.c_int] * 2 + [ctypes.c_void_p]
     lib.dsv41_topk.restype = None
     lib.dsv41_topk.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.dsv41_vector_blocks.restype = ctypes.c_int
@@ -299,6 +302,20 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, si
                                         pool.dtype == bf16, rows.data_ptr(), sink.data_ptr(), scale, floor,
                                         out.data_ptr(), out.dtype == bf16)
     return out if status == 0 else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """layers.py's RMSNorm of CPU rows x [..., D] (bf16 or fp32) with weight [D], fp32 statistics in
+    this kernel's order → x's dtype; None where the kernel is not available."""
+    lib = _library()
+    if lib is None or x.dtype not in _GEMV_DTYPES or weight.dtype not in _GEMV_DTYPES or x.shape[-1] > 1 << 16:
+        return None
+    x, weight = x.contiguous(), weight.contiguous()
+    out = torch.empty_like(x)
+    D = x.shape[-1]
+    lib.dsv41_rms_norm(x.numel() // max(D, 1), D, eps, x.data_ptr(), x.dtype == torch.bfloat16, weight.data_ptr(),
+                       weight.dtype == torch.bfloat16, out.data_ptr())
+    return out
 
 
 def exact_kn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:

@@ -110,6 +110,41 @@ static void row_dot(const float *x, int64_t M, int64_t K, const void *w, int w_b
     }
 }
 
+#if defined(__AVX512F__)
+#define TILE 4
+
+static inline __m512 weight_lanes(const void *w, int w_bf16, int64_t k) {
+    if (!w_bf16) return _mm512_loadu_ps((const float *)w + k);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* TILE weight rows w[i] against TILE activation rows x[r] (fast mode): acc[r][i], every weight and
+ * activation vector loaded once for TILE × TILE multiply-adds held in registers, where `row_dot`
+ * reloads each activation row per weight row. */
+static void tile_dot(const float *const x[TILE], int64_t K, const void *const w[TILE], int w_bf16,
+                     float acc[TILE][TILE]) {
+    __m512 s[TILE][TILE];
+    for (int r = 0; r < TILE; r++)
+        for (int i = 0; i < TILE; i++) s[r][i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 v[TILE], a[TILE];
+        for (int i = 0; i < TILE; i++) v[i] = weight_lanes(w[i], w_bf16, k);
+        for (int r = 0; r < TILE; r++) a[r] = _mm512_loadu_ps(x[r] + k);
+        for (int r = 0; r < TILE; r++)
+            for (int i = 0; i < TILE; i++) s[r][i] = _mm512_fmadd_ps(a[r], v[i], s[r][i]);
+    }
+    for (int r = 0; r < TILE; r++)
+        for (int i = 0; i < TILE; i++) acc[r][i] = _mm512_reduce_add_ps(s[r][i]);
+    for (; k < K; k++)
+        for (int i = 0; i < TILE; i++) {
+            const float v = w_bf16 ? bf16_to_float(((const uint16_t *)w[i])[k]) : ((const float *)w[i])[k];
+            for (int r = 0; r < TILE; r++) acc[r][i] += x[r][k] * v;
+        }
+}
+#endif
+
 /* `row_dot` with every product exact in double and the sum in double (one rounding to fp32 after). */
 static void row_dot_exact(const double *x, int64_t M, int64_t K, const void *w, int w_bf16, float *acc) {
     double sum[MAX_ROWS];
@@ -161,9 +196,35 @@ static void row_dot_exact(const double *x, int64_t M, int64_t K, const void *w, 
     for (int64_t m = 0; m < M; m++) acc[m] = (float)sum[m];
 }
 
+static inline void put(const Gemv *g, int64_t p, int64_t m, int64_t n, float v) {
+    char *dst = (char *)g->out + (p * g->o_sp + m * g->o_sm + n) * (g->out_bf16 ? 2 : 4);
+    if (g->out_bf16) *(uint16_t *)dst = float_to_bf16(v);
+    else *(float *)dst = v;
+}
+
 /* Output rows n0 … n1 of pair p. */
 static void run_rows(const Gemv *g, int64_t p, int64_t n0, int64_t n1) {
     const size_t ww = g->w_bf16 ? 2 : 4, ow = g->out_bf16 ? 2 : 4;
+#if defined(__AVX512F__)
+    if (!g->exact && g->M > 1) {
+        /* tiles of TILE × TILE; a tile past the last row or output repeats it, its results unused */
+        const float *xs = (const float *)g->x + p * g->M * g->K;
+        for (int64_t n = n0; n < n1; n += TILE) {
+            const void *w[TILE];
+            for (int i = 0; i < TILE; i++)
+                w[i] = (const char *)g->w + (p * g->w_sp + (n + i < n1 ? n + i : n1 - 1) * g->w_sn) * ww;
+            for (int64_t m0 = 0; m0 < g->M; m0 += TILE) {
+                const float *x[TILE];
+                float acc[TILE][TILE];
+                for (int r = 0; r < TILE; r++) x[r] = xs + (m0 + r < g->M ? m0 + r : g->M - 1) * g->K;
+                tile_dot(x, g->K, w, g->w_bf16, acc);
+                for (int r = 0; r < TILE && m0 + r < g->M; r++)
+                    for (int i = 0; i < TILE && n + i < n1; i++) put(g, p, m0 + r, n + i, acc[r][i]);
+            }
+        }
+        return;
+    }
+#endif
     float acc[MAX_ROWS];
     for (int64_t n = n0; n < n1; n++) {
         const void *row = (const char *)g->w + (p * g->w_sp + n * g->w_sn) * ww;
