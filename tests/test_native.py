@@ -117,15 +117,21 @@ def test_a_failed_build_raises_and_leaves_no_library(tmp_path, monkeypatch):
 
 
 def mutated_library(name: str, old: str, new: str, tmp_path, monkeypatch):
-    """The library built with `old` replaced by `new` in source `name` (which must hold it)."""
+    """The library built with `old` replaced by `new` in source `name` (which must hold it). A mutated
+    header is written beside copies of every source, whose quoted includes then find it first."""
+    header = name.endswith(".h")
     sources = []
-    for source in native.SOURCES:
+    for source in (*native.SOURCES, *native.HEADERS):
         if source.name == name:
             text = source.read_text()
             assert old in text
+            (tmp_path / name).write_text(text.replace(old, new))
             source = tmp_path / name
-            source.write_text(text.replace(old, new))
-        sources.append(source)
+        elif header and source in native.SOURCES:
+            (tmp_path / source.name).write_text(source.read_text())
+            source = tmp_path / source.name
+        if source.suffix == ".c":
+            sources.append(source)
     monkeypatch.setattr(native, "SOURCES", tuple(sources))
     native.build(tmp_path / "mutated.so")
     return native.load(tmp_path / "mutated.so")
@@ -339,8 +345,8 @@ def test_native_rotation_is_the_torch_rotation(dtype):
 
 def test_a_mutated_rotation_is_caught(tmp_path, monkeypatch):
     """The imaginary part's products fused into one multiply-add: other bits than torch's."""
-    lib = mutated_library("rope.c", "narrow(out, at + 1, a * d + bi * c, bf16);",
-                          "narrow(out, at + 1, __builtin_fmaf(a, d, bi * c), bf16);", tmp_path, monkeypatch)
+    lib = mutated_library("rope.c", "store_value(out, bf16, at + 1, a * d + bi * c);",
+                          "store_value(out, bf16, at + 1, __builtin_fmaf(a, d, bi * c));", tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         test_native_rotation_is_the_torch_rotation(torch.float32)
@@ -375,12 +381,12 @@ def test_native_whole_quantised_linear_is_the_torch_path(storage):
     assert (want[:, 32:64] if storage == "fp8" else want[:, 40]).abs().max() > 0
 
 
-@pytest.mark.parametrize("old, new", [
-    ("+ 0x7fffu + ((u.bits >> 16) & 1u)) >> 16", "+ 0x8000u) >> 16"),                   # bf16 ties away from zero
-    ("(byte ? (uint32_t)byte << 23 : 0x00400000u)", "((uint32_t)byte << 23)"),           # 2^-127 read as 0
+@pytest.mark.parametrize("name, old, new", [
+    ("bf16.h", "u += 0x7fffu + ((u >> 16) & 1u);", "u += 0x8000u;"),                       # bf16 ties away from zero
+    ("blockgemm.c", "(byte ? (uint32_t)byte << 23 : 0x00400000u)", "((uint32_t)byte << 23)"),   # 2^-127 read as 0
 ])
-def test_a_mutated_whole_quantised_linear_is_caught(old, new, tmp_path, monkeypatch):
-    lib = mutated_library("blockgemm.c", old, new, tmp_path, monkeypatch)
+def test_a_mutated_whole_quantised_linear_is_caught(name, old, new, tmp_path, monkeypatch):
+    lib = mutated_library(name, old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     failed = 0
     for storage in ("fp8", "fp4"):
@@ -445,7 +451,8 @@ def test_native_qdq_points_are_formats(dtype):
 
 @pytest.mark.parametrize("old, new", [
     ("(i % 2) ? mag >= midpoint[i] : mag > midpoint[i]", "mag > midpoint[i]"),     # e2m1 ties always down
-    ("narrow(out, r * K + k, e4m3[q[k]] * scale[k / BLOCK], bf16);", "narrow(out, r * K + k, e4m3[q[k]] * scale[0], bf16);"),
+    ("store_value(out, bf16, r * K + k, e4m3[q[k]] * scale[k / BLOCK]);",
+     "store_value(out, bf16, r * K + k, e4m3[q[k]] * scale[0]);"),
 ])
 def test_a_mutated_qdq_is_caught(old, new, tmp_path, monkeypatch):
     lib = mutated_library("quantize.c", old, new, tmp_path, monkeypatch)

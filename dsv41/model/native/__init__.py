@@ -51,6 +51,9 @@ from .. import formats
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("blockgemm.c", "quantize.c", "gemv.c", "mixes.c", "rope.c", "topk.c", "attention.c",
                              "norm.c"))
+# Included by the sources (bf16 ⇄ fp32, a thread's share of a loop): part of the library's key, found in
+# this folder (-I).
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "span.h"))
 # Products (P·M·N·K) below which a block GEMM runs on one thread (OpenMP's warm pool costs ~1 µs to
 # join; one thread sums ~2¹⁵ products in ~30 µs).
 THREAD_FROM = 1 << 15
@@ -81,7 +84,7 @@ def _cpu_identity() -> str:
 
 
 def library_path() -> Path:
-    code = b"".join(source.read_bytes() for source in SOURCES)
+    code = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
     key = hashlib.sha256(code + " ".join(FLAGS).encode() + _cpu_identity().encode()).hexdigest()[:16]
     return cache_dir() / f"dsv41-native-{key}.so"
 
@@ -96,7 +99,9 @@ def build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], check=True, capture_output=True, timeout=120)
+        include = f"-I{Path(__file__).parent}"
+        subprocess.run([compiler, *FLAGS, include, *map(str, SOURCES), "-o", tmp], check=True, capture_output=True,
+                       timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -12,33 +12,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
-/* n values of a bf16 or fp32 row as floats (bf16 widens exactly: the upper half of a float). */
-static void widen(const void *src, int bf16, int64_t n, float *dst) {
-    if (!bf16) {
-        memcpy(dst, src, sizeof(float) * n);
-        return;
-    }
-    const uint16_t *h = (const uint16_t *)src;
-    uint32_t *u = (uint32_t *)dst;
-    for (int64_t d = 0; d < n; d++) u[d] = (uint32_t)h[d] << 16;
-}
-
-/* n floats into a bf16 (to nearest even, NaN kept quiet, as torch's cast) or fp32 row. */
-static void narrow(const float *src, int64_t n, int bf16, void *dst) {
-    if (!bf16) {
-        memcpy(dst, src, sizeof(float) * n);
-        return;
-    }
-    const uint32_t *u = (const uint32_t *)src;
-    uint16_t *h = (uint16_t *)dst;
-    for (int64_t d = 0; d < n; d++)
-        h[d] = (uint16_t)(((u[d] & 0x7fffffffu) > 0x7f800000u ? (u[d] | 0x00400000u)
-                                                               : u[d] + 0x7fffu + ((u[d] >> 16) & 1u)) >> 16);
-}
+#include "bf16.h"
+#include "span.h"
 
 /* One query row's H heads. kvs [n, Dh] receives its listed pool rows widened (once for every head),
  * z [n] the scores, qv and acc [Dh]. */
@@ -47,9 +23,9 @@ static void attend_row(int64_t H, int64_t Dh, int64_t n, const void *q, int q_bf
                        const float *sink, float scale, float floor, void *out, int out_bf16, size_t out_width,
                        float *kvs, float *z, float *qv, float *acc) {
     for (int64_t j = 0; j < n; j++)
-        if (rows[j] >= 0) widen((const char *)pool + (pool_at + rows[j] * Dh) * pool_width, pool_bf16, Dh, kvs + j * Dh);
+        if (rows[j] >= 0) widen_row((const char *)pool + (pool_at + rows[j] * Dh) * pool_width, pool_bf16, Dh, kvs + j * Dh);
     for (int64_t h = 0; h < H; h++) {
-        widen((const char *)q + (q_at + h * Dh) * q_width, q_bf16, Dh, qv);
+        widen_row((const char *)q + (q_at + h * Dh) * q_width, q_bf16, Dh, qv);
         float m = floor;
         for (int64_t j = 0; j < n; j++) {
             if (rows[j] < 0) continue;
@@ -70,7 +46,7 @@ static void attend_row(int64_t H, int64_t Dh, int64_t n, const void *q, int q_bf
         }
         denom += expf(sink[h] - m);
         for (int64_t d = 0; d < Dh; d++) acc[d] = acc[d] / denom;
-        narrow(acc, Dh, out_bf16, (char *)out + (q_at + h * Dh) * out_width);
+        narrow_row(acc, Dh, out_bf16, (char *)out + (q_at + h * Dh) * out_width);
     }
 }
 
@@ -85,14 +61,10 @@ int dsv41_sparse_attention(int64_t B, int64_t T, int64_t H, int64_t Dh, int64_t 
     int failed = 0;
     #pragma omp parallel num_threads(threads) if (threads > 1) reduction(|: failed)
     {
-        int t = 0, nt = 1;
-#if defined(_OPENMP)
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
+        const Span span = thread_span(R);
         float *scratch = malloc(sizeof(float) * (size_t)(n * Dh + n + 2 * Dh));
         if (scratch == NULL) failed = 1;
-        for (int64_t r = R * t / nt; scratch != NULL && r < R * (t + 1) / nt; r++)
+        for (int64_t r = span.begin; scratch != NULL && r < span.end; r++)
             attend_row(H, Dh, n, q, q_bf16, q_bf16 ? 2 : 4, r * H * Dh, pool, pool_bf16, pool_bf16 ? 2 : 4,
                        (r / T) * N * Dh, rows + r * n, sink, scale, floor, out, out_bf16, out_bf16 ? 2 : 4, scratch,
                        scratch + n * Dh, scratch + n * Dh + n, scratch + n * Dh + n + Dh);

@@ -24,9 +24,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
+
+#include "bf16.h"
+#include "span.h"
 #if defined(__SSSE3__)
 #include <immintrin.h>
 #endif
@@ -53,12 +53,6 @@ typedef struct {
 static float e8m0_value(uint8_t byte) {
     union { uint32_t bits; float value; } v = {byte == 255 ? 0x7FC00000u : (byte ? (uint32_t)byte << 23 : 0x00400000u)};
     return v.value;
-}
-
-static uint16_t to_bf16(float f) {
-    union { float value; uint32_t bits; } u = {f};
-    if ((u.bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u.bits >> 16) | 0x0040u);
-    return (uint16_t)((u.bits + 0x7fffu + ((u.bits >> 16) & 1u)) >> 16);
 }
 
 /* Σ a[j] · v[j] over one fp8 block: fp32 products (exact), summed in four double lanes. */
@@ -195,7 +189,7 @@ static void run_rows(const Job *job) {
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t at = (p * M + m0 + r) * N + n;
                 if (job->out) job->out[at] = acc[r];
-                else job->out_bf16[at] = to_bf16(acc[r]);
+                else job->out_bf16[at] = float_to_bf16(acc[r]);
             }
         }
     }
@@ -295,7 +289,7 @@ static void run_tiles(const Job *job, const double *a64, int64_t m0, int64_t row
             for (int64_t c = 0; c < cols; c++) {
                 const int64_t at = (p * M + m0 + r) * N + n0 + c;
                 if (job->out) job->out[at] = acc[r][c];
-                else job->out_bf16[at] = to_bf16(acc[r][c]);
+                else job->out_bf16[at] = float_to_bf16(acc[r][c]);
             }
     }
 }
@@ -313,12 +307,8 @@ static int run_tiled(const Job *job, int64_t P, int threads, const uint8_t *q) {
             for (int64_t i = 0; i < rows * K; i++) a64[p * rows * K + i] = (double)job->e4m3[q[(p * M + m0) * K + i]];
         #pragma omp parallel num_threads(threads) if (threads > 1)
         {
-            int64_t t = 0, nt = 1;
-#if defined(_OPENMP)
-            t = omp_get_thread_num();
-            nt = omp_get_num_threads();
-#endif
-            run_tiles(job, a64, m0, rows, tiles * t / nt, tiles * (t + 1) / nt);
+            const Span span = thread_span(tiles);
+            run_tiles(job, a64, m0, rows, span.begin, span.end);
         }
     }
     free(a64);
@@ -347,14 +337,10 @@ static int run(Job job, int64_t P, int threads, const uint8_t *q, const int32_t 
     if (threads > P * N) threads = (int)(P * N);
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int64_t t = 0, nt = 1;
-#if defined(_OPENMP)
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
+        const Span span = thread_span(P * N);
         Job mine = job;
-        mine.begin = P * N * t / nt;
-        mine.end = P * N * (t + 1) / nt;
+        mine.begin = span.begin;
+        mine.end = span.end;
         run_rows(&mine);
     }
     free(act);

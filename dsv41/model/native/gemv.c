@@ -20,9 +20,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
+
+#include "bf16.h"
+#include "span.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -38,21 +38,6 @@ typedef struct {
     void *out;
     int64_t o_sp, o_sm;
 } Gemv;
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);   /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* One weight row (K values from `w`, bf16 or fp32) against M fp32 activation rows x[m * K …]: acc[m]. */
 static void row_dot(const float *x, int64_t M, int64_t K, const void *w, int w_bf16, float *acc) {
@@ -263,12 +248,8 @@ int dsv41_gemv(int64_t P, int64_t M, int64_t N, int64_t K, int x_bf16, int w_bf1
     const int64_t total = P * N;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int t = 0, nt = 1;
-#if defined(_OPENMP)
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        const int64_t begin = total * t / nt, end = total * (t + 1) / nt;
+        const Span span = thread_span(total);
+        const int64_t begin = span.begin, end = span.end;
         for (int64_t r = begin; r < end;) {
             const int64_t p = r / N, n0 = r % N;
             const int64_t n1 = (end - p * N) < N ? end - p * N : N;
@@ -291,14 +272,10 @@ int dsv41_gemv_exact_kn(int64_t P, int64_t M, int64_t N, int64_t K, int threads,
     int failed = 0;
     #pragma omp parallel num_threads(threads) if (threads > 1) reduction(|: failed)
     {
-        int t = 0, nt = 1;
-#if defined(_OPENMP)
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
+        const Span span = thread_span(P);
         double *acc = malloc(sizeof(double) * (size_t)(M * N));
         if (acc == NULL) failed = 1;
-        for (int64_t p = P * t / nt; acc != NULL && p < P * (t + 1) / nt; p++) {
+        for (int64_t p = span.begin; acc != NULL && p < span.end; p++) {
             for (int64_t i = 0; i < M * N; i++) acc[i] = 0.0;
             for (int64_t m = 0; m < M; m++)
                 for (int64_t k = 0; k < K; k++) {

@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_STREAMS 4
 
 static float sigmoid(float z) {
@@ -63,33 +65,6 @@ int dsv41_split_mixes(int64_t rows, int64_t S, int64_t iters, const float *m, co
     return 0;
 }
 
-/* n values of an fp32 or bf16 row as floats (a bf16 value widens exactly: the upper half of a float),
- * and back, rounded to nearest even with NaN kept quiet as torch's cast does; one loop per dtype, so
- * each vectorises. */
-static void widen(const void *src, int bf16, int64_t n, float *dst) {
-    if (!bf16) {
-        memcpy(dst, src, sizeof(float) * n);
-        return;
-    }
-    const uint16_t *h = (const uint16_t *)src;
-    uint32_t *u = (uint32_t *)dst;
-    for (int64_t d = 0; d < n; d++) u[d] = (uint32_t)h[d] << 16;
-}
-
-static void narrow(const float *src, int64_t n, int bf16, void *dst) {
-    if (!bf16) {
-        memcpy(dst, src, sizeof(float) * n);
-        return;
-    }
-    const uint32_t *u = (const uint32_t *)src;
-    uint16_t *h = (uint16_t *)dst;
-    for (int64_t d = 0; d < n; d++) {
-        const uint32_t rounded = (u[d] & 0x7fffffffu) > 0x7f800000u ? (u[d] | 0x00400000u)
-                                                                     : u[d] + 0x7fffu + ((u[d] >> 16) & 1u);
-        h[d] = (uint16_t)(rounded >> 16);
-    }
-}
-
 #define CHUNK 256
 #define MAX_STREAMS 4
 
@@ -105,10 +80,10 @@ void dsv41_hc_collapse(int64_t rows, int64_t S, int64_t D, int bf16, const void 
             for (int64_t d = 0; d < n; d++) acc[d] = 0.0f;
             for (int64_t i = 0; i < S; i++) {
                 const float w = pre[r * S + i];
-                widen((const char *)x + ((r * S + i) * D + d0) * width, bf16, n, v);
+                widen_row((const char *)x + ((r * S + i) * D + d0) * width, bf16, n, v);
                 for (int64_t d = 0; d < n; d++) acc[d] = acc[d] + w * v[d];
             }
-            narrow(acc, n, bf16, (char *)out + (r * D + d0) * width);
+            narrow_row(acc, n, bf16, (char *)out + (r * D + d0) * width);
         }
 }
 
@@ -122,8 +97,8 @@ void dsv41_hc_expand(int64_t rows, int64_t S, int64_t D, int bf16, const void *o
         for (int64_t d0 = 0; d0 < D; d0 += CHUNK) {
             const int64_t n = D - d0 < CHUNK ? D - d0 : CHUNK;
             for (int64_t i = 0; i < S; i++)
-                widen((const char *)residual + ((r * S + i) * D + d0) * width, bf16, n, streams[i]);
-            widen((const char *)o + (r * D + d0) * width, bf16, n, ov);
+                widen_row((const char *)residual + ((r * S + i) * D + d0) * width, bf16, n, streams[i]);
+            widen_row((const char *)o + (r * D + d0) * width, bf16, n, ov);
             for (int64_t j = 0; j < S; j++) {
                 for (int64_t d = 0; d < n; d++) mixed[d] = 0.0f;
                 for (int64_t i = 0; i < S; i++) {
@@ -132,7 +107,7 @@ void dsv41_hc_expand(int64_t rows, int64_t S, int64_t D, int bf16, const void *o
                 }
                 const float p = post[r * S + j];
                 for (int64_t d = 0; d < n; d++) mixed[d] = p * ov[d] + mixed[d];
-                narrow(mixed, n, bf16, (char *)out + ((r * S + j) * D + d0) * width);
+                narrow_row(mixed, n, bf16, (char *)out + ((r * S + j) * D + d0) * width);
             }
         }
 }

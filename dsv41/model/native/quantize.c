@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define BLOCK 32
 
 /* §6.3 point #1, formats.fp8_act_quant for rows of fp32 x [rows, K]: per 32-wide block the scale
@@ -62,22 +64,6 @@ void dsv41_fp8_act_quant(int64_t rows, int64_t K, const float *x, float floor, f
     }
 }
 
-static inline float widen(const void *x, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)x)[i];
-    union { uint32_t bits; float value; } v = {(uint32_t)((const uint16_t *)x)[i] << 16};
-    return v.value;
-}
-
-static inline void narrow(void *out, int64_t i, float v, int bf16) {
-    if (!bf16) {
-        ((float *)out)[i] = v;
-        return;
-    }
-    union { float value; uint32_t bits; } u = {v};
-    if ((u.bits & 0x7fffffffu) > 0x7f800000u) u.bits |= 0x00400000u;
-    else u.bits += 0x7fffu + ((u.bits >> 16) & 1u);
-    ((uint16_t *)out)[i] = (uint16_t)(u.bits >> 16);
-}
 
 /* formats.fp8_qdq(x, 32) of x [rows, K] (bf16 or fp32): the activation quantisation's bytes, each
  * decoded (e4m3[256], torch's values) and times its block's scale, in x's dtype. Returns 0 or -1. */
@@ -92,9 +78,9 @@ int dsv41_fp8_qdq(int64_t rows, int64_t K, int bf16, const void *x, float floor,
     }
     float *scale = xf + K;
     for (int64_t r = 0; r < rows; r++) {
-        for (int64_t k = 0; k < K; k++) xf[k] = widen(x, r * K + k, bf16);
+        for (int64_t k = 0; k < K; k++) xf[k] = value_at(x, bf16, r * K + k);
         dsv41_fp8_act_quant(1, K, xf, floor, inv_max, q, scale);
-        for (int64_t k = 0; k < K; k++) narrow(out, r * K + k, e4m3[q[k]] * scale[k / BLOCK], bf16);
+        for (int64_t k = 0; k < K; k++) store_value(out, bf16, r * K + k, e4m3[q[k]] * scale[k / BLOCK]);
     }
     free(xf);
     free(q);
@@ -122,7 +108,7 @@ void dsv41_fp4_qdq_e8m0(int64_t rows, int64_t K, int bf16, const void *x, float 
             float amax = 0.0f;
             int nan = 0;
             for (int j = 0; j < BLOCK; j++) {
-                const float a = fabsf(widen(x, at + j, bf16));
+                const float a = fabsf(value_at(x, bf16, at + j));
                 nan |= isnan(a);
                 amax = a > amax ? a : amax;
             }
@@ -130,10 +116,10 @@ void dsv41_fp4_qdq_e8m0(int64_t rows, int64_t K, int bf16, const void *x, float 
             else if (amax < floor) amax = floor;
             const float s = pow2_ceil(amax * inv_max);
             for (int j = 0; j < BLOCK; j++) {
-                float v = widen(x, at + j, bf16) / s;
+                float v = value_at(x, bf16, at + j) / s;
                 if (v > 6.0f) v = 6.0f;
                 if (v < -6.0f) v = -6.0f;
-                narrow(out, at + j, e2m1_round(v) * s, bf16);
+                store_value(out, bf16, at + j, e2m1_round(v) * s);
             }
         }
 }

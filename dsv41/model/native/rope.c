@@ -11,25 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float widen(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "bf16.h"
 
-static inline void narrow(void *p, int64_t i, float v, int bf16) {
-    if (!bf16) {
-        ((float *)p)[i] = v;
-        return;
-    }
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) u = u | 0x00400000u;            /* quiet NaN */
-    else u += 0x7fffu + ((u >> 16) & 1u);                                  /* to nearest even */
-    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-}
 
 /* x, out [B, T, H, F] (H = 1 without heads), contiguous; phases [PB, T, R/2, 2] fp32 (re, im) with
  * PB = B or 1 (one table for every row). */
@@ -44,10 +27,10 @@ void dsv41_rope(int64_t B, int64_t T, int64_t H, int64_t F, int64_t R, int64_t P
                 memcpy((char *)out + row * width, (const char *)x + row * width, (size_t)(F - R) * width);
                 for (int64_t k = 0; k < R / 2; k++) {
                     const int64_t at = row + F - R + 2 * k;
-                    const float a = widen(x, at, bf16), bi = widen(x, at + 1, bf16);
+                    const float a = value_at(x, bf16, at), bi = value_at(x, bf16, at + 1);
                     const float c = ph[2 * k], d = ph[2 * k + 1];
-                    narrow(out, at, a * c - bi * d, bf16);
-                    narrow(out, at + 1, a * d + bi * c, bf16);
+                    store_value(out, bf16, at, a * c - bi * d);
+                    store_value(out, bf16, at + 1, a * d + bi * c);
                 }
             }
         }

@@ -9,9 +9,9 @@
  */
 #include <stdint.h>
 #include <string.h>
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
+
+#include "bf16.h"
+#include "span.h"
 
 /* The low 32 bits of a key, from an index and back (the complement is its own inverse). */
 #define LOW_BITS(index) (0xFFFFFFFFu - (uint32_t)(index))
@@ -38,15 +38,6 @@ static void sift_down(int64_t *heap, int64_t size, int64_t at) {
     }
 }
 
-/* Score i of a row of fp32 or bf16 values (a bf16 value widens exactly: the upper half of a float). */
-static inline float score_at(const void *row, int bf16, int64_t i) {
-    if (!bf16) return ((const float *)row)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* Moves the k largest of keys[0 … n) (all distinct) to the front, in no order: quickselect with a
  * median-of-three pivot. */
 static void select_largest(int64_t *keys, int64_t n, int64_t k) {
@@ -71,22 +62,23 @@ static void select_largest(int64_t *keys, int64_t n, int64_t k) {
 }
 
 /* One row: the k best keys of scores[0 … n), written as indices (in descending key order with
- * `sorted`, else in no order) and the scores at them, in the scores' dtype. `heap` holds n keys of scratch. A small k keeps a min-heap of
- * the best k (one comparison per score once it is full); a large one selects them first. */
+ * `sorted`, else in no order) and the scores at them, in the scores' dtype. `heap` holds n keys of
+ * scratch. A small k keeps a min-heap of the best k (one comparison per score once it is full); a
+ * large one selects them first. */
 static void row_topk(const void *scores, int bf16, int64_t n, int64_t k, int sorted, int64_t *heap,
                      int64_t *indices, void *values) {
     if (n >= 16 * k) {
-        for (int64_t i = 0; i < k; i++) heap[i] = score_key(score_at(scores, bf16, i), i);
+        for (int64_t i = 0; i < k; i++) heap[i] = score_key(value_at(scores, bf16, i), i);
         for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
         for (int64_t i = k; i < n; i++) {
-            const int64_t key = score_key(score_at(scores, bf16, i), i);
+            const int64_t key = score_key(value_at(scores, bf16, i), i);
             if (key > heap[0]) {
                 heap[0] = key;
                 sift_down(heap, k, 0);
             }
         }
     } else {
-        for (int64_t i = 0; i < n; i++) heap[i] = score_key(score_at(scores, bf16, i), i);
+        for (int64_t i = 0; i < n; i++) heap[i] = score_key(value_at(scores, bf16, i), i);
         select_largest(heap, n, k);
         if (sorted)
             for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
@@ -115,13 +107,9 @@ void dsv41_topk(int64_t rows, int64_t n, int64_t k, int sorted, int threads, con
     if (threads > rows) threads = (int)rows;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int64_t t = 0, nt = 1;
-#if defined(_OPENMP)
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        for (int64_t r = rows * t / nt; r < rows * (t + 1) / nt; r++)
-            row_topk((const char *)scores + r * n * width, bf16, n, k, sorted, heap + t * n, indices + r * k,
+        const Span span = thread_span(rows);
+        for (int64_t r = span.begin; r < span.end; r++)
+            row_topk((const char *)scores + r * n * width, bf16, n, k, sorted, heap + span.index * n, indices + r * k,
                      (char *)values + r * k * width);
     }
 }
