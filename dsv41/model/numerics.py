@@ -38,15 +38,17 @@ One frozen object, built from the runtime config and passed to every module (STY
     ops, ~1.3 µs as NumPy ones.
   Both sum in another order than the default path, which fast numerics with BLAS kernels allow.
 - `native` (on the CPU, set by `for_device` where the C library builds: `native/`):
-  - reference numerics with invariant kernels (docs/NUMERICS.md N11, N13): every quantised GEMM (a
-    decode step's rows one by one, a prefill's in register tiles), and every activation quantisation
-    before one, run in C from the stored bytes, with the torch path's bits exactly (exact block sums), so it may mix with
-    it freely; so do the float64 products of at most `NATIVE_GEMV_ROWS` rows (`linear`: the head, the
-    hyper-connection mixes; wo_a's groups), as exact products summed in double;
-  - fast numerics with BLAS kernels (N12): products of at most `NATIVE_GEMV_ROWS` rows with a bf16
-    weight or a large fp32 one (linears, the head, the held experts, wo_a's groups), and the routed experts of at most
-    `NATIVE_EXPERT_PAIRS` (token, expert) pairs, run in C, one pass over each weight, outside autograd
-    only (the kernels have no backward).
+  - reference numerics with invariant kernels (docs/NUMERICS.md N11, N13, N14): every quantised GEMM
+    (a decode step's rows one by one, a prefill's in register tiles) and every activation quantisation
+    before one run in C from the stored bytes, with the torch path's bits exactly (exact block sums),
+    so they may mix with it freely; so do the float64 products of at most `NATIVE_GEMV_ROWS` rows
+    (`linear`: the head, the hyper-connection mixes; wo_a's groups) and attention's products, as exact
+    products summed in double;
+  - fast numerics with BLAS kernels (N12, N17, N18): products of at most `NATIVE_GEMV_ROWS` rows with
+    a bf16 weight or a large fp32 one (linears, the head, the held experts, wo_a's groups), the routed
+    experts of at most `NATIVE_EXPERT_PAIRS` (token, expert) pairs, a decode step's sparse attention
+    and RMSNorms, run in C, outside autograd only (the kernels have no backward);
+  - both: the hyper-connection mixes, RoPE and the tie-ruled top-k (N13, N15, N16).
 """
 
 from __future__ import annotations
@@ -330,7 +332,7 @@ class Numerics:
         """layers.py's RMSNorm in one native call for fast numerics' decode rows (at most
         `NATIVE_POSITIONS` of them, no autograd; docs/NUMERICS.md N18). None where the policy leaves it to
         torch: reference numerics keep torch's mean, whose summation order the kernel does not reproduce."""
-        if not (self.native and not self.invariant and not self.quantized and x.device.type == "cpu"
+        if not (self.native and not self.invariant and x.device.type == "cpu"
                 and x.numel() <= NATIVE_POSITIONS * x.shape[-1]):
             return None
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
