@@ -17,7 +17,7 @@ import torch
 from dsv41.config import ConfigError
 from dsv41.model import native
 from dsv41.model.moe import RoutedExperts
-from dsv41.model.numerics import NATIVE_FP32_FROM, NATIVE_GEMV_ROWS, Numerics
+from dsv41.model.numerics import NATIVE_FP32_FROM, NATIVE_GEMV_ROWS, NATIVE_WIDE_ROWS, Numerics
 
 from test_native import mutated_library
 
@@ -51,6 +51,20 @@ def test_gemv_is_the_product_within_fp32_error(w_dtype, x_dtype, K):
         assert ((out.double() - exact).abs() <= product_bound(x, w)).all()
         # bf16 results: the same sums rounded once, as torch's cast rounds them
         assert torch.equal(run_gemv(x, w, torch.bfloat16), out.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("K", [31, 32, 33, 512, 1000])
+def test_wide_tiles_are_the_product_within_fp32_error(K):
+    """Past the 4-row tiles: activation rows 4 at a time against each weight tile, every tail (rows,
+    outputs and the masked K tail of the bf16 dot products)."""
+    g = torch.Generator().manual_seed(K + 1)
+    for dtype in (torch.bfloat16, torch.float32):
+        for M in (5, 16, 31, NATIVE_WIDE_ROWS):
+            x = torch.randn(1, M, K, generator=g).to(dtype)
+            w = torch.randn(1, 39, K, generator=g).to(dtype)
+            out = run_gemv(x, w, torch.float32)
+            exact = torch.einsum("pmk,pnk->pmn", x.double(), w.double())
+            assert ((out.double() - exact).abs() <= product_bound(x, w)).all(), (dtype, M)
 
 
 def rounding_cases() -> torch.Tensor:
@@ -96,14 +110,17 @@ def test_the_policy_takes_the_native_product_for_few_rows_only(monkeypatch):
         monkeypatch.setattr(native, name, lambda *a, real=real, **k: calls.append(a[0].shape) or real(*a, **k))
     g = torch.Generator().manual_seed(6)
     w = torch.randn(48, 256, generator=g).to(torch.bfloat16)
-    for rows in (1, NATIVE_GEMV_ROWS, NATIVE_GEMV_ROWS + 1):
+    # bf16 products run natively up to 32 rows where the build has AVX512-BF16 dot products, else 4
+    most = NATIVE_WIDE_ROWS if native.wide_products(True) else NATIVE_GEMV_ROWS
+    for rows in (1, most, most + 1):
         x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
         got = FAST_NATIVE.linear(x, w)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 48)
         exact = x.double() @ w.double().t()
         assert ((got.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + product_bound(x[None], w[None])[0]).all()
-    assert calls == [(1, 256), (NATIVE_GEMV_ROWS, 256)]
+    assert calls == [(1, 256), (most, 256)]
     out = torch.empty(2, 48, dtype=torch.bfloat16)
+    x = x[:NATIVE_GEMV_ROWS + 1]
     FAST_NATIVE.matmul_into(x[:2], w.t(), out)
     assert torch.allclose(out.float(), FAST.linear(x[:2], w).float(), rtol=2 ** -7, atol=1e-2) and len(calls) == 3
     groups = torch.randn(1, 2, 4, 64, generator=g).to(torch.bfloat16)
@@ -122,6 +139,9 @@ def test_the_policy_takes_the_native_product_for_few_rows_only(monkeypatch):
     got = FAST_NATIVE.linear(xf, head)
     assert len(calls) == 5 and got.dtype == torch.float32
     assert ((got.double() - xf.double() @ head.double().t()).abs() <= product_bound(xf[None], head[None])[0]).all()
+    # and so does a batch of rows of it where the build has AVX-512 tiles
+    FAST_NATIVE.linear(torch.randn(NATIVE_WIDE_ROWS, 256, generator=g), head)
+    assert len(calls) == (6 if native.wide_products(False) else 5)
 
 
 def test_policy_construction():
@@ -198,15 +218,22 @@ def test_routed_experts_layer_takes_the_kernel_and_matches_its_torch_path():
     ("u = u < -limit ? -limit :", "u = u < -limit ? u :", "experts"),        # up unclamped from below
     # the AVX-512 register tiles (2 … 8 rows): a tile's first output row written for all four
     ("put(g, p, m0 + r, n + i, acc[r][i]);", "put(g, p, m0 + r, n + i, acc[r][0]);", "tiles"),
+    # the AVX512-BF16 dot products: the K tail's last pair lost, one vector's lane sum taken twice
+    ("(__mmask32)((1u << (K - k)) - 1u)", "(__mmask32)((1u << (K - k - 1)) - 1u)", "dot"),
+    ("_mm512_unpackhi_ps(c, d)", "_mm512_unpackhi_ps(c, c)", "dot"),
 ])
 def test_a_mutated_fast_kernel_is_caught(old, new, check, tmp_path, monkeypatch):
-    if check == "tiles" and not native._library().dsv41_vector_blocks():
+    if check == "tiles" and not native.wide_products(False):
         pytest.skip("this CPU builds gemv.c without AVX-512 tiles")
+    if check == "dot" and not native.wide_products(True):
+        pytest.skip("this CPU builds gemv.c without AVX512-BF16 dot products")
     lib = mutated_library("bf16.h" if check == "rounding" else "gemv.c", old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         if check in ("product", "tiles"):
             test_gemv_is_the_product_within_fp32_error(torch.float32, torch.float32, 33)
+        elif check == "dot":
+            test_gemv_is_the_product_within_fp32_error(torch.bfloat16, torch.bfloat16, 33)
         elif check == "rounding":
             test_bf16_results_round_to_nearest_even_like_torch()
         else:
@@ -294,3 +321,60 @@ def test_a_mutated_rms_norm_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         test_native_rms_norm_is_the_formula(torch.float32, monkeypatch)
+
+
+def index_score_formula(q, weights, keys):
+    """float64 Σ_h relu(q_h · k) · w_h, and the bound of the kernel's roundings: the logit, the
+    weighted logit and the sum each rounded once in bf16 (2⁻⁸ relative each), fp32 sums below that."""
+    logits = torch.einsum("bthd,bcd->bthc", q.double(), keys.double())
+    terms = logits.relu() * weights.double().unsqueeze(-1)
+    scale = (logits.abs() * weights.double().abs().unsqueeze(-1)).sum(2)
+    return terms.sum(2), 2.0 ** -6 * scale + 1e-30
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_index_scores_are_the_relu_weighted_head_sum(dtype):
+    g = torch.Generator().manual_seed(9)
+    for B, T, H, D, C in ((1, 1, 4, 64, 70), (3, 2, 5, 33, 300), (16, 1, 8, 128, 600)):
+        q = torch.randn(B, T, H, D, generator=g).to(dtype)
+        weights = torch.randn(B, T, H, generator=g).to(dtype)
+        pool = torch.randn(B, C + 7, D, generator=g).to(dtype)
+        keys = pool[:, 3:C + 3]                                        # a column tile of the pool, in place
+        got = native.index_scores(q, weights, keys)
+        expect, bound = index_score_formula(q, weights, keys)
+        assert got.dtype == dtype and got.shape == (B, T, C)
+        assert ((got.double() - expect).abs() <= bound).all(), (B, T, H, D, C)
+    # a NaN logit stays NaN, as torch's ReLU keeps it
+    q[0, 0, 0, 0] = float("nan")
+    assert native.index_scores(q, weights, keys)[0, 0].isnan().all()
+
+
+def test_the_indexer_takes_native_scores_batch_rows_alone(monkeypatch):
+    """Fast numerics score a decode step's rows in one call, each row's scores its own: a batch of rows
+    gives each row the bits it gets alone, within the bound of the torch path's."""
+    from dsv41.model.indexer import Indexer
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(4, 1, 4, 64, generator=g).to(torch.bfloat16)
+    weights = torch.randn(4, 1, 4, generator=g).to(torch.bfloat16)
+    keys = torch.randn(4, 90, 64, generator=g).to(torch.bfloat16)
+    batch = FAST_NATIVE.index_scores(q, weights, keys)
+    for b in range(4):
+        assert torch.equal(FAST_NATIVE.index_scores(q[b:b + 1], weights[b:b + 1], keys[b:b + 1]), batch[b:b + 1])
+    expect, bound = index_score_formula(q, weights, keys)
+    assert ((batch.double() - expect).abs() <= bound).all()
+    assert FAST.index_scores(q, weights, keys) is None                  # no native kernels: the torch path
+    assert Numerics("reference", "invariant", native=True).index_scores(q, weights, keys) is None
+    # the indexer's tile takes the policy's one call for the whole batch
+    monkeypatch.setattr(native, "index_scores", lambda *a: batch.neg())
+    assert torch.equal(Indexer._tile(type("Layer", (), {"numerics": FAST_NATIVE})(), q, weights, keys), batch.neg())
+
+
+@pytest.mark.parametrize("old, new", [
+    ("l = l < 0.0f ? 0.0f : l;", ""),                                                 # no ReLU
+    ("for (int64_t h = 0; h < H; h++) {\n            const float *qh", "for (int64_t h = 1; h < H; h++) {\n            const float *qh"),
+])
+def test_a_mutated_index_score_kernel_is_caught(old, new, tmp_path, monkeypatch):
+    lib = mutated_library("indexer.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_native_index_scores_are_the_relu_weighted_head_sum(torch.float32)

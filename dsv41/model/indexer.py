@@ -231,6 +231,9 @@ class Indexer(nn.Module):
         """[B, T, c] head-weighted ReLU logits of a key tile [B, c, Di]. Under BLAS kernels each batch row
         runs at the shapes it has alone: a batched product and an fp32 head sum over a larger tensor
         round differently (NUMERICS.md N1, N8)."""
+        whole = self.numerics.index_scores(q, weights, keys)
+        if whole is not None:
+            return whole
         if q.shape[0] > 1 and not self.numerics.invariant:
             return torch.cat([self._tile(q[b:b + 1], weights[b:b + 1], keys[b:b + 1]) for b in range(q.shape[0])])
         logits = self.numerics.activation_einsum("bthd,bcd->bthc", q, keys)                 # [B, T, Hi, c]

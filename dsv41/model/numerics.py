@@ -44,10 +44,11 @@ One frozen object, built from the runtime config and passed to every module (STY
     so they may mix with it freely; so do the float64 products of at most `NATIVE_GEMV_ROWS` rows
     (`linear`: the head, the hyper-connection mixes; wo_a's groups) and attention's products, as exact
     products summed in double;
-  - fast numerics with BLAS kernels (N12, N17, N18): products of at most `NATIVE_GEMV_ROWS` rows with
-    a bf16 weight or a large fp32 one (linears, the head, the held experts, wo_a's groups), the routed
-    experts of at most `NATIVE_EXPERT_PAIRS` (token, expert) pairs, a decode step's sparse attention
-    and RMSNorms, run in C, outside autograd only (the kernels have no backward);
+  - fast numerics with BLAS kernels (N12, N17–N19): products of at most `NATIVE_GEMV_ROWS` rows
+    (`NATIVE_WIDE_ROWS` where the build multiplies in wide tiles) with a bf16 weight or a large fp32
+    one (linears, the head, the held experts, wo_a's groups), the routed experts of at most
+    `NATIVE_EXPERT_PAIRS` (token, expert) pairs, a decode step's sparse attention, index scores and
+    RMSNorms, run in C, outside autograd only (the kernels have no backward);
   - both: the hyper-connection mixes, RoPE and the tie-ruled top-k (N13, N15, N16).
 """
 
@@ -84,6 +85,11 @@ BLOCK_PARTIALS_ELEMENTS = 1 << 23
 # per call against torch's 26–33 µs for a bf16 decode-sized weight; past a few rows oneDNN's blocked
 # kernel catches up.
 NATIVE_GEMV_ROWS = 4
+# Most rows fast numerics' native product takes where it multiplies in wide tiles (N12): bf16 operands
+# with AVX512-BF16 dot products, or a large fp32 weight with AVX-512 (`native.wide_products`). At 16
+# rows a 512 × 512 bf16 weight takes 107 µs against oneDNN's 169, the 8192 × 512 fp32 head 2.2 ms
+# against MKL's 4.6; at 32 rows they are even on a 1536 × 512 weight.
+NATIVE_WIDE_ROWS = 32
 # Fewest values of an fp32 weight fast numerics' native product takes: MKL's fp32 GEMV streams a
 # large weight at ~15 GB/s here (the 8192 × 512 head 719 µs, native 201 µs) and wins below ~1M values
 # (a 24 × 2048 mix projection 5.6 µs against 11 µs).
@@ -351,6 +357,18 @@ class Numerics:
             return None
         return native.sparse_attention(q, pool, rows, sink, scale, floor)
 
+    def index_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+        """indexer.py's scores of a key tile [B, T, c] in one native call where fast numerics run a
+        decode step's (at most `NATIVE_POSITIONS` query positions, no autograd): every batch row at once,
+        each score summed alone, so a row's scores do not depend on the batch (docs/NUMERICS.md N19).
+        None where it leaves them to the indexer's torch path."""
+        if not (self.native and not self.invariant and q.device.type == "cpu"
+                and q.shape[0] * q.shape[1] <= NATIVE_POSITIONS):
+            return None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, weights, keys)):
+            return None
+        return native.index_scores(q, weights, keys)
+
     def _native_attention(self, a: torch.Tensor, kv: torch.Tensor) -> bool:
         return (self.native and self.invariant and a.dtype == kv.dtype == torch.float32 and a.device.type == "cpu"
                 and a.is_contiguous() and kv.is_contiguous()
@@ -439,7 +457,9 @@ class Numerics:
                 return False
         elif x.dtype != torch.bfloat16:
             return False
-        if x.numel() > NATIVE_GEMV_ROWS * x.shape[-1] * (weight.shape[0] if weight.dim() == 3 else 1):
+        wide = not self.invariant and native.wide_products(x.dtype == torch.bfloat16)
+        rows = NATIVE_WIDE_ROWS if wide else NATIVE_GEMV_ROWS
+        if x.numel() > rows * x.shape[-1] * (weight.shape[0] if weight.dim() == 3 else 1):
             return False
         return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
 

@@ -21,7 +21,8 @@ It also runs fast numerics' routed experts of a few tokens in one call (`routed_
 `mixes.c` computes the hyper-connection mixes with Sinkhorn (`split_mixes`) with the bits of the
 reference-order torch path, in one call instead of ~90 torch operations. `topk.c` takes topk.py's
 top-k (ties to the lower index) in one call instead of its keys' ~10 operations; `attention.c` a
-fast decode step's sparse attention (one softmax with the sink) instead of ~20, `norm.c` its RMSNorms.
+fast decode step's sparse attention (one softmax with the sink) instead of ~20, `norm.c` its RMSNorms,
+`indexer.c` its index scores (a ReLU-weighted head sum per key) instead of ~10 per batch row.
 
 Threads come from OpenMP, which loads as torch's own copy of the runtime (the same soname), so a call
 joins torch's warm pool (~1 µs) instead of starting threads.
@@ -50,7 +51,7 @@ from .. import formats
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("blockgemm.c", "quantize.c", "gemv.c", "mixes.c", "rope.c", "topk.c", "attention.c",
-                             "norm.c"))
+                             "norm.c", "indexer.c"))
 # Included by the sources (bf16 ⇄ fp32, a thread's share of a loop): part of the library's key, found in
 # this folder (-I).
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "span.h"))
@@ -148,6 +149,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_topk.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.dsv41_vector_blocks.restype = ctypes.c_int
     lib.dsv41_vector_blocks.argtypes = []
+    lib.dsv41_gemv_wide.restype = ctypes.c_int
+    lib.dsv41_gemv_wide.argtypes = [ctypes.c_int]
+    lib.dsv41_index_scores.restype = ctypes.c_int
+    lib.dsv41_index_scores.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
     experts = lib.dsv41_routed_experts
     experts.restype = ctypes.c_int
     experts.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 7
@@ -165,6 +170,15 @@ def _library() -> ctypes.CDLL | None:
         return load(path)
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def wide_products(bf16: bool) -> bool:
+    """Whether `gemv` outruns torch's GEMM up to `numerics.NATIVE_WIDE_ROWS` rows in fast mode: for bf16
+    operands where this build has AVX512-BF16 dot products, for fp32 ones where it has AVX-512 tiles
+    (else only up to `NATIVE_GEMV_ROWS`)."""
+    lib = _library()
+    return lib is not None and bool(lib.dsv41_gemv_wide(bf16))
 
 
 def available() -> bool:
@@ -352,6 +366,24 @@ def linear(x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> torch.Tenso
     threads = torch.get_num_threads() if N * K >= GEMV_THREAD_FROM else 1
     status = lib.dsv41_gemv(1, x.numel() // K, N, K, x.dtype == bf16, w.dtype == bf16, x.dtype == bf16, exact,
                             threads, x.data_ptr(), 0, K, w.data_ptr(), 0, w.stride(0), out.data_ptr(), 0, N)
+    return out if status == 0 else None
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+    """indexer.py's head-weighted ReLU scores of a key tile: q [B, T, H, D], weights [B, T, H], keys
+    [B, C, D] (a column slice of the pool: rows contiguous) → [B, T, C], all bf16 or all fp32, with the
+    torch path's roundings (indexer.c). None where the kernel is not available or does not take it."""
+    lib = _library()
+    if lib is None or q.dtype not in _GEMV_DTYPES or not (q.dtype == weights.dtype == keys.dtype):
+        return None
+    (B, T, H, D), C = q.shape, keys.shape[1]
+    if keys.stride(-1) != 1 or (C > 1 and keys.stride(1) != D):
+        return None
+    q, weights = q.contiguous(), weights.contiguous()
+    out = q.new_empty(B, T, C)
+    threads = torch.get_num_threads() if B * T * C * H * D >= GEMV_THREAD_FROM else 1
+    status = lib.dsv41_index_scores(B, T, H, D, C, q.dtype == torch.bfloat16, threads, q.data_ptr(), weights.data_ptr(),
+                                    keys.data_ptr(), keys.stride(0), out.data_ptr())
     return out if status == 0 else None
 
 

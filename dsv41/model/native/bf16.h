@@ -33,6 +33,11 @@ static inline void store_value(void *p, int bf16, int64_t i, float v) {
     else ((float *)p)[i] = v;
 }
 
+/* v as the dtype holds it: rounded to bf16 (to nearest even), or kept as fp32. */
+static inline float round_to(float v, int bf16) {
+    return bf16 ? bf16_to_float(float_to_bf16(v)) : v;
+}
+
 /* n values of an fp32 or bf16 row as floats, and back: one loop per dtype, so each vectorises. */
 static inline void widen_row(const void *src, int bf16, int64_t n, float *dst) {
     if (!bf16) {
