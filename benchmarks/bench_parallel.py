@@ -269,30 +269,36 @@ def rank_main(rank: int, world: int, port: int, directory: str, numerics: str, p
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    from dsv41.parallel import shutdown
+
+    try:
+        measure_rank(rank, world, directory, numerics, prefill, decode, out_dir)
+    except Exception as e:
+        with open(os.path.join(out_dir, f"error-world{world}-rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        shutdown()          # after measure_rank's frame (the context, the model) is gone: docs/PARALLEL.md §3
+
+
+def measure_rank(rank: int, world: int, directory: str, numerics: str, prefill: int, decode: int,
+                 out_dir: str) -> None:
     import torch.distributed as dist
 
     from dsv41.checkpoint.model_io import load_model
-    from dsv41.parallel import init_parallel, shutdown
+    from dsv41.parallel import init_parallel
 
-    ctx = None
-    try:
-        ctx = init_parallel(world, world, timeout_s=300)
-        t0 = time.perf_counter()
-        model = load_model(directory, runtime(numerics, prefill + decode + 1), parallel=ctx, check_memory=False)
-        load_s = time.perf_counter() - t0
-        sync = (lambda: dist.barrier()) if ctx.distributed else (lambda: None)
-        result = measure(model, sync, prefill, decode, counted=ctx.distributed)
-        result["load_s"] = load_s
-        result["latency_us"] = latency_us(model) if ctx.distributed else None
-        if rank == 0:
-            torch.save(result, os.path.join(out_dir, f"world{world}.pt"))
-    except Exception:
-        with open(os.path.join(out_dir, f"error-world{world}-rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        if ctx is not None:
-            shutdown(ctx)
+    ctx = init_parallel(world, world, timeout_s=300)
+    t0 = time.perf_counter()
+    model = load_model(directory, runtime(numerics, prefill + decode + 1), parallel=ctx, check_memory=False)
+    load_s = time.perf_counter() - t0
+    sync = (lambda: dist.barrier()) if ctx.distributed else (lambda: None)
+    result = measure(model, sync, prefill, decode, counted=ctx.distributed)
+    result["load_s"] = load_s
+    result["latency_us"] = latency_us(model) if ctx.distributed else None
+    if rank == 0:
+        torch.save(result, os.path.join(out_dir, f"world{world}.pt"))
 
 
 # ---------------------------------------------------------------------------------------- the parent

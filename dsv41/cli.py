@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -672,6 +673,17 @@ def run_parallel(args) -> int:
     """generate / chat / score / serve as one rank of the world torchrun started."""
     world = launched_world_size()
     check_parallel_flags(args, world)
+    try:
+        return as_rank(args, world)
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)     # their locals hold the context: free it with the groups
+        raise
+    finally:
+        shutdown()
+
+
+def as_rank(args, world: int) -> int:
+    """The rank's work; the context lives in this frame only, so that `shutdown` can free its groups."""
     ctx = join_world(args, world)
     try:
         return drive(args, ctx) if ctx.is_driver else follow_driver(args, ctx)
@@ -679,8 +691,6 @@ def run_parallel(args) -> int:
         # a process group with a lost peer cannot be torn down (gloo's threads abort the process at
         # exit): report and leave at once
         exit_lost(e)
-    finally:
-        shutdown(ctx)
 
 
 def check_parallel_flags(args, world: int) -> None:

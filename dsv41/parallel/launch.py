@@ -9,6 +9,7 @@ on the ranks still alive, so a dead rank is reported instead of hanging the othe
 
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 
@@ -69,6 +70,15 @@ def rank_device(ctx: ParallelContext, requested: str) -> str:
     return requested
 
 
-def shutdown(ctx: ParallelContext) -> None:
-    if ctx.distributed and dist.is_initialized():
+def shutdown() -> None:
+    """Leave the world: destroy every process group, then free them now, while the interpreter runs.
+
+    A gloo group's worker threads end only in the group's destructor, not in destroy_process_group. A
+    group still held then (a model's shards and a context in a reference cycle, a traceback's frames)
+    is freed by the collector during interpreter finalization, where a worker that drops a tensor
+    cannot take the GIL and the process aborts ("terminate called without an active exception",
+    docs/PARALLEL.md §3). Call it once the rank's own references to its context are gone.
+    """
+    if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
