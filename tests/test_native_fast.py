@@ -378,3 +378,47 @@ def test_a_mutated_index_score_kernel_is_caught(old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         test_native_index_scores_are_the_relu_weighted_head_sum(torch.float32)
+
+
+def hc_mixes_formula(x, fn, scale, base, iters, norm_eps, hc_eps):
+    """hyper.py `mixes` in float64: the projection over the RMS statistic, then torch's split."""
+    from dsv41.model import hyper
+    flat = x.flatten(-2).double()
+    m = flat @ fn.double().T / torch.sqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    return hyper.split_mixes(m, scale.double(), base.double(), x.shape[-2], iters, hc_eps, FAST)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_hc_mixes_are_the_projection_and_split(dtype, monkeypatch):
+    """Fast numerics' decode-row mixes in one call: the float64 formula within fp32 error, a zero row
+    included (eps alone), each row the same alone as in its batch; prefill-sized calls and reference
+    numerics keep the torch path (its mean's bits)."""
+    from dsv41.model import hyper
+    g = torch.Generator().manual_seed(21)
+    S, D, iters = 4, 300, 20
+    x = (torch.randn(1, 5, S, D, generator=g) * 3).to(dtype)
+    x[0, 3] = 0
+    fn = torch.randn((2 + S) * S, S * D, generator=g) / math.sqrt(S * D)
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + S) * S, generator=g) * 0.1
+    calls = []
+    real = native.hc_mixes
+    monkeypatch.setattr(native, "hc_mixes", lambda *a: calls.append(1) or real(*a))
+    mix = lambda x, numerics: hyper.mixes(x, fn, scale, base, iters=iters, norm_eps=1e-6, hc_eps=1e-6, numerics=numerics)
+    got = mix(x, FAST_NATIVE)
+    alone = mix(x[:, 1:2], FAST_NATIVE)
+    assert calls == [1, 1]
+    mix(torch.zeros(1, 4097, S, D, dtype=dtype), FAST_NATIVE)                  # past the cap: torch's
+    mix(x, Numerics("reference", "invariant", native=True))
+    assert calls == [1, 1]
+    for part, want, one in zip(got, hc_mixes_formula(x, fn, scale, base, iters, 1e-6, 1e-6), alone):
+        assert part.dtype == torch.float32 and part.shape == want.shape
+        assert (part.double() - want).abs().max() < 2e-6
+        assert torch.equal(one, part[:, 1:2])
+
+
+def test_a_mutated_hc_mixes_kernel_is_caught(tmp_path, monkeypatch):
+    """The projection left unnormalised (no RMS statistic): off the formula."""
+    lib = mutated_library("mixes.c", "fn + j * K, K) * inv[r];", "fn + j * K, K);", tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_native_hc_mixes_are_the_projection_and_split(torch.float32, monkeypatch)

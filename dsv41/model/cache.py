@@ -90,6 +90,8 @@ class ModelCache:
     """Per slot: positions 0 … length − 1 have been written."""
     published_keys: list[int | None] = field(default_factory=list)
     """Per slot: the kv source that published index keys last (read only in stale-key mode, trap 15)."""
+    ring_writes: tuple | None = field(default=None, repr=False)
+    """(step, W, targets) of the last `write_window`: every layer of a call writes the same ring slots."""
 
     def __post_init__(self) -> None:
         self.lengths = self.lengths or [0] * self.n_slots
@@ -144,16 +146,31 @@ class ModelCache:
 
     # ---------------------------------------------------------------------------------- the window ring
     def read_window(self, layer: int, step: Step) -> torch.Tensor:
-        """[B·W, Dh]: the rings of the call's rows, row after row."""
-        return self.window[layer][list(step.slots)].flatten(0, 1)
+        """[B·W, Dh]: the rings of the call's rows, row after row (a view where the slots are a run)."""
+        ring, first = self.window[layer], step.slots[0]
+        if step.slots == tuple(range(first, first + step.n_rows)):
+            return ring[first:first + step.n_rows].flatten(0, 1)
+        return ring[list(step.slots)].flatten(0, 1)
 
     def write_window(self, layer: int, kv: torch.Tensor, step: Step) -> None:
         """After attending: the last min(count, W) positions of each row go to slots p mod W (kv [N, Dh])."""
         ring = self.window[layer]
-        W = ring.shape[1]
-        counts = torch.tensor(step.counts, device=kv.device)[step.row]
-        keep = step.token_rank >= counts - W
-        ring[step.token_slot[keep], step.positions[keep] % W] = kv[keep].to(ring.dtype)
+        slots, ring_slots, keep = self._ring_targets(step, ring.shape[1])
+        ring[slots, ring_slots] = (kv if keep is None else kv[keep]).to(ring.dtype)
+
+    def _ring_targets(self, step: Step, W: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(slot, ring slot) of each position a call keeps, and which it keeps (None: all of them),
+        computed once per call for all its layers (~10 operations a layer otherwise)."""
+        if self.ring_writes is not None and self.ring_writes[0] is step and self.ring_writes[1] == W:
+            return self.ring_writes[2]
+        if max(step.counts) <= W:
+            targets = (step.token_slot, step.positions % W, None)
+        else:
+            counts = torch.tensor(step.counts, device=step.positions.device)[step.row]
+            keep = step.token_rank >= counts - W
+            targets = (step.token_slot[keep], step.positions[keep] % W, keep)
+        self.ring_writes = (step, W, targets)
+        return targets
 
     # ---------------------------------------------------------------------------------- rollback
     def snapshot(self, step: Step) -> "Snapshot":

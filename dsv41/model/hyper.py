@@ -151,6 +151,9 @@ def mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Te
 
     One RMS statistic over all S·D features, no norm weight (§7.2).
     """
+    native = numerics.hc_mixes(x, fn, scale, base, iters, norm_eps, hc_eps)
+    if native is not None:
+        return native
     flat = x.flatten(2).float()
     m = numerics.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     return split_mixes(m, scale, base, x.shape[2], iters, hc_eps, numerics)

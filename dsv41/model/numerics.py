@@ -404,6 +404,15 @@ class Numerics:
             return None
         return native.split_mixes(m, scale, base, streams, iters, eps)
 
+    def hc_mixes(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
+                 norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """hyper.py `mixes` (projection, RMS statistic and split) of at most `NATIVE_MIX_ROWS` rows in one
+        native call, fast numerics only: its sums take the kernel's order (docs/NUMERICS.md N20), where
+        reference numerics keep torch's mean. None where the policy leaves them to hyper.py."""
+        if self.invariant or not self._native_mix(x, fn, scale, base):
+            return None
+        return native.hc_mixes(x, fn, scale, base, iters, norm_eps, hc_eps)
+
     def hc_collapse(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor | None:
         """hyper.py `collapse` (hc_pre) of at most `NATIVE_MIX_ROWS` rows in one native call, with its
         bits (docs/NUMERICS.md N13); None where the policy leaves it to hyper.py."""

@@ -132,6 +132,9 @@ def load(path: Path) -> ctypes.CDLL:
     mixes = lib.dsv41_split_mixes
     mixes.restype = ctypes.c_int
     mixes.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 3
+    lib.dsv41_hc_mixes.restype = ctypes.c_int
+    lib.dsv41_hc_mixes.argtypes = ([ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+                                   + [ctypes.c_float] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 3)
     lib.dsv41_hc_collapse.restype = None
     lib.dsv41_hc_collapse.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.dsv41_hc_expand.restype = None
@@ -424,6 +427,26 @@ def split_mixes(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, stream
     comb = torch.empty(*lead, S, S)
     status = lib.dsv41_split_mixes(flat.shape[0], S, iters, flat.data_ptr(), scale.data_ptr(), base.data_ptr(),
                                    eps, pre.data_ptr(), post.data_ptr(), comb.data_ptr())
+    return (pre, post, comb) if status == 0 else None
+
+
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, norm_eps: float,
+             hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """hyper.py `mixes` of CPU tensors in fast numerics' order, in one call (mixes.c): x [..., S, D] bf16 or
+    fp32, fn [(2 + S)·S, S·D] fp32 → pre [..., S], post [..., S], comb [..., S, S]; None where the kernel
+    is not available or does not take the call."""
+    lib = _library()
+    if lib is None or x.dtype not in _GEMV_DTYPES or fn.dtype != torch.float32:
+        return None
+    lead, (S, D) = x.shape[:-2], x.shape[-2:]
+    x, fn = x.contiguous(), fn.contiguous()
+    scale, base = scale.float().contiguous(), base.float().contiguous()
+    pre, post, comb = torch.empty(*lead, S), torch.empty(*lead, S), torch.empty(*lead, S, S)
+    rows = lead.numel()
+    threads = torch.get_num_threads() if rows * fn.numel() >= GEMV_THREAD_FROM else 1
+    status = lib.dsv41_hc_mixes(rows, S, D, x.dtype == torch.bfloat16, x.data_ptr(), fn.data_ptr(), scale.data_ptr(),
+                                base.data_ptr(), iters, norm_eps, hc_eps, threads, pre.data_ptr(), post.data_ptr(),
+                                comb.data_ptr())
     return (pre, post, comb) if status == 0 else None
 
 

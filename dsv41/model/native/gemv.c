@@ -147,13 +147,41 @@ static inline __m128 lane_sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 #define PREFETCH_ROWS 16
+/* How far ahead of its reads (bf16 values: 2 KB) a tile streaming one row at a time asks for lines. */
+#define PREFETCH_AHEAD 1024
 
 /* TILE bf16 weight rows against R ≤ TILE bf16 activation rows (fast mode, both operands bf16):
  * vdpbf16ps multiplies 32 pairs of bf16 values exactly and adds them into 16 fp32 lanes, twice the
  * multiply-adds per instruction of widening the weight to fp32, with no widening at all. The K tail
- * loads masked (zeros add nothing). R is a constant at each call site, so the loops unroll. */
-static inline __attribute__((always_inline)) void tile_dot_bf16(int R, const uint16_t *const x[TILE], int64_t K,
-                                                                const uint16_t *const w[TILE], float acc[TILE][TILE]) {
+ * loads masked (zeros add nothing). R is a constant at each call site, so the loops unroll.
+ *
+ * Two orders, the same bits (every lane sums in K order either way). `streaming` (the tile is the one
+ * pass over these weight rows: a decode step of at most TILE rows) reads each weight row to its end
+ * before the next, one sequential stream with the activations in L1: four rows read side by side are
+ * four short streams inside a page, which the hardware prefetcher barely follows (one row through
+ * 2048 × 512: 137 µs side by side, 93 µs row by row; docs/NUMERICS.md N20). Otherwise the rows go
+ * side by side, each loaded vector used R × TILE times: the later passes over a tile hit the cache,
+ * and there the loads, not the stream, bound the loop. */
+static inline __attribute__((always_inline)) void tile_dot_bf16(int R, int streaming, const uint16_t *const x[TILE],
+                                                                int64_t K, const uint16_t *const w[TILE],
+                                                                float acc[TILE][TILE]) {
+    if (streaming) {
+        __m512 s[TILE][TILE];                   /* its own: indexed by the row loop, it may live in memory */
+        for (int i = 0; i < TILE; i++) {
+            __m512 t[TILE];                     /* row i's sums, in registers while the row streams */
+            for (int r = 0; r < R; r++) t[r] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 32) {
+                const __mmask32 live = K - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+                const __m512bh v = (__m512bh)_mm512_maskz_loadu_epi16(live, w[i] + k);
+                _mm_prefetch((const char *)(w[i] + k + PREFETCH_AHEAD), _MM_HINT_T0);  /* past a row: the next */
+                for (int r = 0; r < R; r++)
+                    t[r] = _mm512_dpbf16_ps(t[r], (__m512bh)_mm512_maskz_loadu_epi16(live, x[r] + k), v);
+            }
+            for (int r = 0; r < R; r++) s[r][i] = t[r];
+        }
+        for (int r = 0; r < R; r++) _mm_storeu_ps(acc[r], lane_sums4(s[r][0], s[r][1], s[r][2], s[r][3]));
+        return;
+    }
     __m512 s[TILE][TILE];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < TILE; i++) s[r][i] = _mm512_setzero_ps();
@@ -173,6 +201,20 @@ static inline __attribute__((always_inline)) void tile_dot_bf16(int R, const uin
     for (int r = 0; r < R; r++) _mm_storeu_ps(acc[r], lane_sums4(s[r][0], s[r][1], s[r][2], s[r][3]));
 }
 
+/* `tile_dot_bf16` with R (1 … TILE) known only at run time: one unrolled copy per row count, inlined
+ * into the caller (called through a function, the many-row passes ran at half speed). */
+static inline __attribute__((always_inline)) void tile_dot_bf16_rows(int64_t R, int streaming,
+                                                                     const uint16_t *const x[TILE], int64_t K,
+                                                                     const uint16_t *const w[TILE],
+                                                                     float acc[TILE][TILE]) {
+    switch (R) {
+        case 1: tile_dot_bf16(1, streaming, x, K, w, acc); break;
+        case 2: tile_dot_bf16(2, streaming, x, K, w, acc); break;
+        case 3: tile_dot_bf16(3, streaming, x, K, w, acc); break;
+        default: tile_dot_bf16(4, streaming, x, K, w, acc); break;
+    }
+}
+
 /* Output rows n0 … n1 of pair p from bf16 activations xs [M, K] (contiguous): weight tiles of TILE
  * rows (a tile past n1 repeats the last row, its results unused), activation rows TILE at a time. */
 static void run_rows_bf16(const Gemv *g, const uint16_t *xs, int64_t p, int64_t n0, int64_t n1) {
@@ -185,12 +227,7 @@ static void run_rows_bf16(const Gemv *g, const uint16_t *xs, int64_t p, int64_t 
             const uint16_t *x[TILE];
             float acc[TILE][TILE];
             for (int r = 0; r < TILE; r++) x[r] = xs + (m0 + (r < R ? r : 0)) * g->K;
-            switch (R) {
-                case 1: tile_dot_bf16(1, x, g->K, w, acc); break;
-                case 2: tile_dot_bf16(2, x, g->K, w, acc); break;
-                case 3: tile_dot_bf16(3, x, g->K, w, acc); break;
-                default: tile_dot_bf16(4, x, g->K, w, acc); break;
-            }
+            tile_dot_bf16_rows(R, g->M <= TILE, x, g->K, w, acc);
             for (int64_t r = 0; r < R; r++)
                 for (int i = 0; i < TILE && n + i < n1; i++) put(g, p, m0 + r, n + i, acc[r][i]);
         }
@@ -413,12 +450,7 @@ static void expert_tile(int dot, const void *xs, int64_t m, int64_t K, const voi
             const int64_t R = m - k0 < TILE ? m - k0 : TILE;
             float part[TILE][TILE];
             for (int r = 0; r < TILE; r++) x[r] = (const uint16_t *)xs + (k0 + (r < R ? r : 0)) * K;
-            switch (R) {
-                case 1: tile_dot_bf16(1, x, K, wr, part); break;
-                case 2: tile_dot_bf16(2, x, K, wr, part); break;
-                case 3: tile_dot_bf16(3, x, K, wr, part); break;
-                default: tile_dot_bf16(4, x, K, wr, part); break;
-            }
+            tile_dot_bf16_rows(R, m <= TILE, x, K, wr, part);
             for (int64_t r = 0; r < R; r++) memcpy(acc[k0 + r], part[r], sizeof part[r]);
         }
         return;
