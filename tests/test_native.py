@@ -252,6 +252,27 @@ def test_a_mutated_float64_product_is_caught(tmp_path, monkeypatch):
         test_native_float64_products_are_the_invariant_path(torch.float32, monkeypatch)
 
 
+def test_router_scores_widen_the_bf16_weight_in_the_kernel(monkeypatch):
+    """`widened_linear` (the router's logits) reads the bf16 weight itself, with the bits of the fp32
+    copy's product under invariant kernels (the widening is exact) and within fp32 error in fast
+    numerics; many rows, or no native kernels, take the copy and torch's product."""
+    calls = []
+    real = native.linear
+    monkeypatch.setattr(native, "linear", lambda x, w, **k: calls.append(w.dtype) or real(x, w, **k))
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(32, 512, generator=g).to(torch.bfloat16)
+    fast, fast_native = Numerics("fast", "blas"), Numerics("fast", "blas", native=True)
+    for M in (1, 4):
+        x = torch.randn(M, 512, generator=g).to(torch.bfloat16)
+        assert torch.equal(NATIVE.widened_linear(x, w), TORCH.linear(x.float(), w.float()))
+        want = fsum_product(x.float(), w.float())
+        bound = 512 * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T)
+        assert ((fast_native.widened_linear(x, w).double() - want).abs() <= bound).all()
+    assert calls == [torch.bfloat16] * 4
+    many = torch.randn(40, 512, generator=g)
+    assert torch.equal(fast_native.widened_linear(many, w), fast.linear(many, w.float())) and len(calls) == 4
+
+
 def mix_inputs(streams: int, rows: int, seed: int):
     """Mix projections spanning 2⁻⁸…2⁸ (gates near 0 and 1, Sinkhorn logits far apart), per-part scales."""
     g = torch.Generator().manual_seed(seed)

@@ -43,7 +43,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int, 
           numerics: Numerics, gate_temp: float = 1.0, bias_vl: torch.Tensor | None = None,
           image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, D] → (weights [n, A] fp32, expert ids [n, A]); bias (or bias_vl on image tokens) only selects."""
-    scores = numerics.softplus(numerics.linear(x.float(), weight.float()) / gate_temp).sqrt()   # [n, E]
+    logits = numerics.widened_linear(x, weight)
+    scores = numerics.softplus(logits if gate_temp == 1.0 else logits / gate_temp).sqrt()      # [n, E]
     select_bias = bias
     if bias_vl is not None and image_mask is not None:
         select_bias = torch.where(image_mask.unsqueeze(-1), bias_vl, bias)

@@ -300,6 +300,17 @@ class Numerics:
             out[..., i:i + rows] = F.linear(x64, weight[i:i + rows].double())      # the one rounding, to fp32
         return out.to(x.dtype)
 
+    def widened_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`linear` of x and weight both widened to fp32 (the router's scores, as the reference computes
+        them). The native product widens a bf16 weight as it reads it, with `linear`'s bits (the widening
+        is exact), instead of an fp32 copy of the weight per call (4 MB a layer at the released size)."""
+        x = x.float()
+        if self._native_product(x, weight, widening=True):
+            out = native.linear(x, weight, exact=self.invariant)
+            if out is not None:
+                return out
+        return self.linear(x, weight.float())
+
     def matmul_into(self, x: torch.Tensor, weight_t: torch.Tensor, out: torch.Tensor) -> None:
         """`linear` of x [m, K] with a transposed weight [K, N], written into out [m, N] (rows of a larger
         result): BLAS kernels write in place, without a temporary and a copy."""
@@ -453,16 +464,18 @@ class Numerics:
             return False
         return not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *others)))
 
-    def _native_product(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    def _native_product(self, x: torch.Tensor, weight: torch.Tensor, *, widening: bool = False) -> bool:
         """Whether the native dense product takes x (rows of the last dim) against `weight`: few rows, on
         the CPU, operands of one dtype, and no autograd to record (the kernel has no backward). Fast
         numerics take it for bf16 weights and for fp32 ones of at least `NATIVE_FP32_FROM` values
         (MKL's fp32 GEMV is as fast below); invariant kernels for bf16 and fp32, with exact products
-        summed in double (`native.gemv(exact=True)`)."""
-        if not self.native or weight.dtype != x.dtype or x.device.type != "cpu":
+        summed in double (`native.gemv(exact=True)`). `widening`: fp32 rows against a bf16 weight the
+        kernel widens as it reads it (the alternative is an fp32 copy of the weight, then the product)."""
+        mixed = widening and x.dtype == torch.float32 and weight.dtype == torch.bfloat16
+        if not self.native or (weight.dtype != x.dtype and not mixed) or x.device.type != "cpu":
             return False
         if x.dtype == torch.float32:
-            if not (self.invariant or weight.numel() >= NATIVE_FP32_FROM):
+            if not (self.invariant or mixed or weight.numel() >= NATIVE_FP32_FROM):
                 return False
         elif x.dtype != torch.bfloat16:
             return False
