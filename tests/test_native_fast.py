@@ -422,3 +422,28 @@ def test_a_mutated_hc_mixes_kernel_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         test_native_hc_mixes_are_the_projection_and_split(torch.float32, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_shared_expert_of_a_decode_step_is_one_native_call(dtype, monkeypatch):
+    """The shared expert's few rows go through the routed-experts kernel (every row on expert 0 at
+    weight 1) and give the torch path's result up to its roundings' last bits; many rows keep torch."""
+    from dsv41.model.moe import Expert
+    g = torch.Generator().manual_seed(23)
+    layers = {}
+    for name, policy in (("torch", FAST), ("native", FAST_NATIVE)):
+        layers[name] = Expert(64, 96, 1.5, numerics=policy, dtype=dtype)
+    for torch_layer, native_layer in zip(layers["torch"].modules(), layers["native"].modules()):
+        for (_, a), (_, b) in zip(torch_layer.named_parameters(recurse=False), native_layer.named_parameters(recurse=False)):
+            a.data = (torch.randn(a.shape, generator=g) / 8).to(a.dtype)
+            b.data = a.data.clone()
+    calls = []
+    real = native.routed_experts
+    monkeypatch.setattr(native, "routed_experts", lambda *a: calls.append(1) or real(*a))
+    x = (torch.randn(1, 3, 64, generator=g) * 4).to(dtype)
+    got, want = layers["native"](x), layers["torch"](x)
+    assert calls == [1] and got.dtype == want.dtype == dtype and got.shape == want.shape
+    tol = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
+    assert ((got.float() - want.float()).abs() <= tol * want.float().abs() + 1e-3).all()
+    many = (torch.randn(1, 200, 64, generator=g)).to(dtype)
+    assert torch.equal(layers["native"](many), layers["torch"](many)) and calls == [1]

@@ -77,6 +77,10 @@ class Expert(nn.Module):
         self.swiglu_limit, self.numerics = swiglu_limit, numerics
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.w1.quantized:
+            fused = self.numerics.dense_swiglu(x, self.w1.weight, self.w3.weight, self.w2.weight, self.swiglu_limit)
+            if fused is not None:
+                return fused
         return self.w2(swiglu(self.w1(x), self.w3(x), self.swiglu_limit, self.numerics).to(x.dtype))
 
 

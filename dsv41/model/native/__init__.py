@@ -394,8 +394,8 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
                    w2: torch.Tensor, limit: float) -> torch.Tensor | None:
     """Σ over each token's chosen experts of w2 · (SwiGLU(w1 · x, w3 · x) · weight), fp32 [n, D], for CPU
     tensors: x [n, D], ids [n, A] (negative: not this rank's), weights [n, A], banks w1, w3 [E, I, D] and
-    w2 [E, D, I] of one dtype (bf16 or fp32), held contiguous. None where the kernel is not available or
-    does not take the call."""
+    w2 [E, D, I] of one dtype (bf16 or fp32), held contiguous (2-d: one expert). None where the kernel
+    is not available or does not take the call."""
     lib = _library()
     if lib is None or not all(w.is_contiguous() and w.dtype == w1.dtype for w in (w1, w3, w2)):
         return None
@@ -403,7 +403,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
         return None
     x = x.contiguous() if x.dtype in (torch.bfloat16, torch.float32) else x.float().contiguous()
     ids, weights = ids.to(torch.int64).contiguous(), weights.float().contiguous()
-    (n, A), (E, I, D) = ids.shape, w1.shape
+    (n, A), (E, I, D) = ids.shape, (w1.shape if w1.dim() == 3 else (1, *w1.shape))
     out = torch.empty(n, D, dtype=torch.float32)
     threads = torch.get_num_threads() if n * A * I * D >= GEMV_THREAD_FROM else 1
     status = lib.dsv41_routed_experts(n, A, E, D, I, w1.dtype == torch.bfloat16, x.dtype == torch.bfloat16,
