@@ -138,6 +138,28 @@ def test_rollback_restores_ring_and_tail(model):
             torch.testing.assert_close(got, expect[b], rtol=0, atol=1e-4)
 
 
+def test_rollback_of_a_decode_step_restores_the_tails(model):
+    """A decode step's rows pool together (`Compressor.decode_rows`, one position each): rolled back, a
+    row that completed a ratio-2 group (position 17) and one that opened a group (position 18) continue
+    exactly as if the wrong tokens had never been fed."""
+    ids = helpers.token_ids(2, 30, seed=4)
+    wrong = helpers.token_ids(2, 30, seed=98)
+    expect = [model(ids[b:b + 1], 0, model.new_cache(1, helpers.MAX_SEQ)).hidden[0] for b in range(2)]
+    for keep in ((0, 0), (1, 0), (0, 1)):
+        cache = model.new_cache(2, helpers.MAX_SEQ)
+        model(ids[0, :17], model.step((0,), (0,), (17,)), cache)
+        model(ids[1, :18], model.step((1,), (0,), (18,)), cache)
+        step = model.step((0, 1), (17, 18), (1, 1))
+        call = torch.stack([(ids if k else wrong)[b, 17 + b] for b, k in enumerate(keep)])
+        snap = cache.snapshot(step)
+        model(call, step, cache)
+        cache.rollback(snap, list(keep))
+        for b, k in enumerate(keep):
+            start = 17 + b + k
+            got = model(ids[b, start:30], model.step((b,), (start,), (30 - start,)), cache).hidden
+            assert torch.equal(got, expect[b][start:]), keep
+
+
 def test_repetition_penalty_is_refused(model):
     with pytest.raises(ValueError, match="repetition penalty"):
         helpers.engine_run(model, [[1, 2, 3]], 4, speculative=True, sampling=SamplingParams(repetition_penalty=1.2))

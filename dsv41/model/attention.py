@@ -224,9 +224,15 @@ class Attention(nn.Module):
                     cache.published_keys[slot] = role.layer_id
         C = step.compressed_rows(role.ratio)
         if role.is_index_source:
-            def keys_of(r: int) -> torch.Tensor:
-                owner = cache.sources[self._keys_owner(step, cache, r, published)]
-                return owner.index_keys[step.slots[r]:step.slots[r] + 1, :C]              # [1, C, Di]
+            def keys_of(rows: slice) -> torch.Tensor:                                # [rows, C, Di]
+                owners = [self._keys_owner(step, cache, r, published) for r in range(rows.start, rows.stop)]
+                slots = step.slots[rows]
+                if any(o != owners[0] for o in owners):
+                    return torch.cat([cache.sources[o].index_keys[s:s + 1, :C] for o, s in zip(owners, slots)])
+                keys = cache.sources[owners[0]].index_keys
+                if slots == tuple(range(slots[0], slots[0] + len(slots))):          # a run of slots: a view
+                    return keys[slots[0]:slots[0] + len(slots), :C]
+                return keys[step.slot_index[rows], :C]
             handoff.publish_selection(role.layer_id, self.select(x, qr, step, handoff, C, keys_of))
         selected = handoff.selection_for(role)                                      # [N, k]
         N, k = selected.shape
@@ -243,10 +249,20 @@ class Attention(nn.Module):
 
         The projections run over the call's tokens at once and the new latents of every row get their
         keys and rotations together (under exact-sum kernels a row's bits do not depend on the others),
-        except where `Numerics.rows_alone`: each row on its own, so that it sums as it does alone (N1)."""
+        except where `Numerics.rows_alone`: each row on its own, so that it sums as it does alone (N1).
+        A decode step's rows also pool together (`Compressor.decode_rows`)."""
         together = step.n_rows > 1 and not self.numerics.rows_alone
         projected = self.compressor.project(x[0]) if together else None
-        latents, firsts, published = [], [], []
+        if together and max(step.counts) == 1:
+            latent, done = self.compressor.decode_rows(projected, step, source, x.dtype)
+            if done:
+                self._publish(source, [step.slots[b] for b in done],
+                              [step.starts[b] // self.role.ratio for b in done], latent)
+            published = [False] * step.n_rows
+            for b in done:
+                published[b] = True
+            return published
+        owners, rows, latents, published = [], [], [], []
         for r, (slot, start) in enumerate(zip(step.slots, step.starts)):
             seg = step.tokens_of(r)
             if together:
@@ -256,24 +272,23 @@ class Attention(nn.Module):
                 latent, first = self.compressor(x[0, seg], start, source, slot)
             g = latent.shape[0]
             if g and not together:
-                self._publish(source, [slot], [first], [latent], x.device)
+                self._publish(source, [slot] * g, list(range(first, first + g)), latent)
+            owners += [slot] * g
+            rows += range(first, first + g)
             latents.append(latent)
-            firsts.append(first)
             published.append(g > 0)
         if together and any(published):
-            self._publish(source, step.slots, firsts, latents, x.device)
+            self._publish(source, owners, rows, torch.cat(latents))
         return published
 
-    def _publish(self, source: SourceState, slots, firsts, latents, device) -> None:
-        """Rotate the pre-RoPE latents (each row's from its first compressed row) at their groups' first
-        tokens (trap 8), derive their index keys, and write both into the slots' compressed rows."""
-        counts = [latent.shape[0] for latent in latents]
-        rows = torch.cat([torch.arange(f, f + g) for f, g in zip(firsts, counts)]).to(device)
-        owners = torch.repeat_interleave(torch.tensor(list(slots)), torch.tensor(counts)).to(device)
-        latent = torch.cat(latents)[None]                                               # [1, G, Dh]
+    def _publish(self, source: SourceState, owners: list[int], rows: list[int], latent: torch.Tensor) -> None:
+        """Rotate the pre-RoPE latents [G, Dh] (compressed row rows[i] of slot owners[i]) at their groups'
+        first tokens (trap 8), derive their index keys, and write both into the slots' compressed rows."""
+        device = latent.device
+        rows, owners = torch.tensor(rows, device=device), torch.tensor(owners, device=device)
         positions = rows * self.role.ratio
-        keys = self.indexer.keys(latent, positions, self.rotary)[0]
-        kv = self.numerics.qdq_compressed(self.rotary.rotate(latent, positions))[0]
+        keys = self.indexer.keys(latent[None], positions, self.rotary)[0]
+        kv = self.numerics.qdq_compressed(self.rotary.rotate(latent[None], positions))[0]
         source.publish_rows(owners, rows, kv, keys)
 
     def _keys_owner(self, step: Step, cache: ModelCache, r: int, published: list[bool]) -> int:
@@ -295,8 +310,9 @@ class Attention(nn.Module):
         return step.n_rows * C * self.indexer.head_dim * itemsize <= self.indexer.budget_bytes
 
     def select(self, x, qr, step: Step, handoff: Handoff, C: int, keys_of):
-        """[N, k] compressed positions per token, ascending, −1 for none (§11.6); keys_of(r): call row r's
-        index keys [1, C, Di] (from the cache, or in training from the call itself).
+        """[N, k] compressed positions per token, ascending, −1 for none (§11.6); keys_of(rows): the index
+        keys [len(rows), C, Di] of the call rows in the slice `rows` (from the cache, or in training from
+        the call itself).
 
         Each row is scored in chunks of query rows (`Indexer.select`), so the indexer's transients stay
         within its budget whatever C is; the candidate source fills its [1, N, C] kept-block mask chunk
@@ -318,7 +334,7 @@ class Attention(nn.Module):
         if self._rows_together(step, C):
             # rows of one length (a decode or verify step) score as one batch: their keys side by side
             B, T = step.n_rows, step.counts[0]
-            keys = torch.cat([keys_of(r) for r in range(B)])                          # [B, C, Di]
+            keys = keys_of(slice(0, B))                                             # [B, C, Di]
             as_rows = lambda t: None if t is None else t.reshape(B, T, *t.shape[2:])
             self.indexer.select(as_rows(x), as_rows(qr), keys, step.positions.view(B, T), visible.view(B, T),
                                 self.rotary, self.index_topk, blocks=blocks, keep=as_rows(keep),
@@ -327,7 +343,7 @@ class Attention(nn.Module):
         else:
             for r in range(step.n_rows):
                 seg = step.tokens_of(r)
-                self.indexer.select(x[:, seg], qr[:, seg], keys_of(r), step.positions[seg], visible[seg],
+                self.indexer.select(x[:, seg], qr[:, seg], keys_of(slice(r, r + 1)), step.positions[seg], visible[seg],
                                     self.rotary, self.index_topk, blocks=blocks,
                                     keep=None if keep is None else keep[:, seg],
                                     restrict=None if restrict is None else restrict[:, seg], out=chosen[None, seg],

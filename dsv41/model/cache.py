@@ -66,6 +66,22 @@ class SourceState:
         self.recent[slot] = (first, kv, score)
         self.restore_tail(slot, end)
 
+    def append_tails(self, slots: tuple[int, ...], slot_index: torch.Tensor, starts: tuple[int, ...],
+                     kv: torch.Tensor, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new position per row (a decode step): kv, score [B, Dh] at position starts[b] of slot
+        slots[b] (slot_index: the same slots as a tensor) → each row's open group [B, r, Dh] with it
+        (entries past it are stale). `carry` of the rows, as three indexed writes and reads instead of
+        ~8 operations per row; the groups stay valid as `recent` when the cache rolls back."""
+        r = self.ratio
+        lead = [s % r for s in starts]
+        at = torch.tensor(lead, device=kv.device)
+        self.tail_kv[slot_index, at] = kv
+        self.tail_score[slot_index, at] = score
+        groups_kv, groups_score = self.tail_kv[slot_index], self.tail_score[slot_index]
+        for slot, start, n, g_kv, g_score in zip(slots, starts, lead, groups_kv.unbind(0), groups_score.unbind(0)):
+            self.recent[slot] = (start - n, g_kv, g_score)
+        return groups_kv, groups_score
+
     def restore_tail(self, slot: int, end: int) -> None:
         """Make the tail hold the open group at `end` (positions ⌊end/r⌋·r … end − 1), which the last
         call saw: it started at or after that group's first position."""

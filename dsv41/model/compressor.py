@@ -60,6 +60,21 @@ class Compressor(nn.Module):
         state.carry(slot, first, kv, score, start_pos + n)
         return self.pool(kv, score, dtype), first // r
 
+    def decode_rows(self, projected, step, state: SourceState, dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
+        """`from_projected` of a decode step's rows at once (one position each; `project` of its B tokens)
+        → (latents [G, Dh] of the rows whose group that position completes, in row order; those rows)."""
+        if self.ratio == 1:
+            return projected, list(range(step.n_rows))
+        r = self.ratio
+        groups_kv, groups_score = state.append_tails(step.slots, step.slot_index, step.starts, *projected)
+        done = [b for b, start in enumerate(step.starts) if start % r == r - 1]
+        if len(done) < step.n_rows:
+            if not done:
+                return groups_kv.new_empty(0, groups_kv.shape[-1], dtype=dtype), []
+            pick = torch.tensor(done, device=groups_kv.device)
+            groups_kv, groups_score = groups_kv[pick], groups_score[pick]
+        return self.pool(groups_kv.flatten(0, 1), groups_score.flatten(0, 1), dtype), done
+
     def latents(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, D] of one row from position 0, all at once (training) → latents [⌊n/r⌋, Dh] pre-RoPE."""
         if self.ratio == 1:

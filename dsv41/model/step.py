@@ -49,6 +49,8 @@ class Step:
     """int64 [N]: each token's index within its row (position − the row's start)."""
     offsets: tuple[int, ...] = field(init=False)
     """Index of each row's first token in the packed call."""
+    slot_index: torch.Tensor = field(init=False)
+    """int64 [B]: `slots` as a tensor (indexing the cache's per-slot rows)."""
 
     def __post_init__(self) -> None:
         if not (len(self.slots) == len(self.starts) == len(self.counts)) or not self.slots:
@@ -72,7 +74,9 @@ class Step:
         object.__setattr__(self, "row", row)
         object.__setattr__(self, "positions", starts[row] + rank)
         object.__setattr__(self, "token_rank", rank)
-        object.__setattr__(self, "token_slot", torch.tensor(self.slots, device=self.device)[row])
+        slot_index = torch.tensor(self.slots, device=self.device)
+        object.__setattr__(self, "slot_index", slot_index)
+        object.__setattr__(self, "token_slot", slot_index[row])
 
     @classmethod
     def uniform(cls, batch: int, start_pos: int, length: int, **kwargs) -> "Step":

@@ -165,7 +165,7 @@ def _compressed(attn, x, qr, q, scope: TrainingScope) -> tuple[torch.Tensor, tor
     C = kv.shape[1]
     if role.is_index_source:
         with torch.no_grad():
-            selection = attn.select(x, qr, step, scope.handoff, C, lambda r: keys[r:r + 1])
+            selection = attn.select(x, qr, step, scope.handoff, C, lambda rows: keys[rows])
         scope.handoff.publish_selection(role.layer_id, selection)
         visible = step.visible(role.ratio)[:T]
         scope.index_kl.append(index_kl(attn, x.detach().unflatten(1, (B, T))[0], qr.detach().unflatten(1, (B, T))[0],
