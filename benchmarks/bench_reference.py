@@ -40,7 +40,9 @@ BATCH = 16
 
 
 def config(dim: int, layers: int) -> ModelConfig:
-    ratios = ([0, 0, 2, 2, 1, 1, 1, 1] * ((layers + 7) // 8))[:layers]
+    # past eight layers, more ratio-1 layers reading layer 4's compressed rows and layer 6's choices (the
+    # reference restricts every later index source to the one candidate source's blocks)
+    ratios = ([0, 0, 2, 2, 1, 1, 1, 1] + [1] * max(layers - 8, 0))[:layers]
     return ModelConfig(
         vocab_size=8192, dim=dim, moe_inter_dim=dim // 2, n_layers=layers, n_heads=8, n_routed_experts=32,
         n_shared_experts=1, n_activated_experts=6, q_lora_rank=dim // 2, head_dim=128, rope_head_dim=32,

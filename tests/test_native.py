@@ -362,6 +362,8 @@ def test_native_rotation_is_the_torch_rotation(dtype):
             assert torch.equal(got.nan_to_num(), want.nan_to_num())
     assert NATIVE.rope(x, plain.phases(positions).view(1, 16, -1)) is not None
     assert NATIVE.rope(torch.zeros(1, 65, 64), plain.phases(torch.arange(65)).view(1, 65, -1)) is None
+    # a conjugated table is refused (the kernel conjugates for the inverse itself)
+    assert NATIVE.rope(x, plain.phases(positions).view(1, 16, -1).conj()) is None
 
 
 def test_a_mutated_rotation_is_caught(tmp_path, monkeypatch):

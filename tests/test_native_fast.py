@@ -447,3 +447,55 @@ def test_the_shared_expert_of_a_decode_step_is_one_native_call(dtype, monkeypatc
     assert ((got.float() - want.float()).abs() <= tol * want.float().abs() + 1e-3).all()
     many = (torch.randn(1, 200, 64, generator=g)).to(dtype)
     assert torch.equal(layers["native"](many), layers["torch"](many)) and calls == [1]
+
+
+# ------------------------------------------------------------------------------------------ the router
+
+@pytest.mark.parametrize("topk", [1, 2, 3])
+def test_the_native_router_is_the_formula(topk, monkeypatch):
+    """moe.py `route` under fast numerics takes topk.c's router: test_moe's float64 §13 formula (ids
+    equal, weights to fp32 rounding), bias_vl on image tokens, logits past softplus's threshold of 20."""
+    from dsv41.model.moe import route
+    from test_moe import route_by_formula, sort_pairs
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(12, 64, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(8, 64, generator=g) / 8).to(torch.bfloat16)
+    weight[6] = (x[3].float() * 0.5).to(torch.bfloat16)           # token 3's logit of expert 6 is past 20
+    bias, bias_vl = torch.randn(8, generator=g) * 0.3, torch.randn(8, generator=g) * 0.3
+    image = torch.arange(12) % 3 == 0
+    calls = []
+    real = native.route
+    monkeypatch.setattr(native, "route", lambda *a: calls.append(1) or real(*a))
+    w, ids = route(x, weight, bias, topk, 1.5, numerics=FAST_NATIVE, bias_vl=bias_vl, image_mask=image)
+    assert calls == [1] and w.dtype == torch.float32 and ids.dtype == torch.int64
+    logits = x.float() @ weight.float().t()
+    assert logits[3, 6] > 20
+    w_ref, ids_ref = route_by_formula(x, weight, bias, topk, 1.5, bias_vl, image)
+    (w, ids), (w_ref, ids_ref) = sort_pairs(w, ids), sort_pairs(w_ref, ids_ref)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w.double(), w_ref, rtol=2e-6, atol=1e-7)
+
+
+def test_the_native_router_breaks_ties_to_the_lower_expert_and_rows_do_not_interact():
+    logits = torch.zeros(3, 8)
+    logits[1, [2, 5]] = 1.0                          # a tie between experts 2 and 5 for one place
+    logits[2] = torch.linspace(-1, 1, 8)
+    weights, ids = native.route(logits, torch.zeros(8), 3, 1.0, 1e-20)
+    assert ids[0].tolist() == [0, 1, 2] and ids[1].tolist() == [2, 5, 0] and ids[2].tolist() == [7, 6, 5]
+    torch.testing.assert_close(weights[0], torch.full((3,), 1 / 3))
+    for r in range(3):
+        alone = native.route(logits[r:r + 1], torch.zeros(8), 3, 1.0, 1e-20)
+        assert torch.equal(alone[0][0], weights[r]) and torch.equal(alone[1][0], ids[r])
+
+
+@pytest.mark.parametrize("old, new", [
+    ("x > 20.0f ? x : log1pf(expf(x))", "x > 20.0f ? 20.0f : log1pf(expf(x))"),   # the threshold's identity lost
+    ("image[t]) ? bias_vl : bias", "image[t]) ? bias : bias"),                  # image tokens with the text bias
+    ("weights[t * k + a] / (sum + eps)", "weights[t * k + a] / (sum + 1.0f)"),    # normalised off the sum
+])
+def test_a_mutated_router_is_caught(old, new, tmp_path, monkeypatch):
+    lib = mutated_library("topk.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        for topk in (1, 2, 3):
+            test_the_native_router_is_the_formula(topk, monkeypatch)

@@ -44,7 +44,12 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int, 
           image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, D] → (weights [n, A] fp32, expert ids [n, A]); bias (or bias_vl on image tokens) only selects."""
     logits = numerics.widened_linear(x, weight)
-    scores = numerics.softplus(logits if gate_temp == 1.0 else logits / gate_temp).sqrt()      # [n, E]
+    if gate_temp != 1.0:
+        logits = logits / gate_temp
+    fused = numerics.route(logits, bias, topk, route_scale, ROUTE_NORM_EPS, bias_vl, image_mask)
+    if fused is not None:
+        return fused
+    scores = numerics.softplus(logits).sqrt()                                                   # [n, E]
     select_bias = bias
     if bias_vl is not None and image_mask is not None:
         select_bias = torch.where(image_mask.unsqueeze(-1), bias_vl, bias)

@@ -404,6 +404,18 @@ class Numerics:
             return None
         return native.routed_experts(x, ids, weights, w1, w3, w2, limit)
 
+    def route(self, logits: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float, eps: float,
+              bias_vl: torch.Tensor | None, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """moe.py `route` after the logits [n, E], fast numerics with BLAS kernels: one native call (the
+        same scores, choice and weights as the torch path up to the last bit of √softplus; N21) instead
+        of ~10 torch operations. None where the policy leaves it to the layer: reference numerics and
+        exact-sum kernels keep torch's (double) softplus."""
+        if not (self.native and not self.quantized and not self.invariant and logits.device.type == "cpu"):
+            return None
+        if torch.is_grad_enabled() and logits.requires_grad:
+            return None
+        return native.route(logits, bias, topk, route_scale, eps, bias_vl, image_mask)
+
     def dense_swiglu(self, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                      limit: float) -> torch.Tensor | None:
         """moe.py `Expert` (the shared expert, held weights) of a few rows in x's dtype: one native
@@ -451,15 +463,15 @@ class Numerics:
             return None
         return native.hc_expand(out, residual, post, comb)
 
-    def rope(self, x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor | None:
+    def rope(self, x: torch.Tensor, phases: torch.Tensor, inverse: bool = False) -> torch.Tensor | None:
         """rope.py `Rotary.rotate` of at most `NATIVE_POSITIONS` positions in one native call, with its
-        bits (docs/NUMERICS.md N13): phases complex64 [B or 1, T, R/2], conjugated for the inverse; None
-        where the policy leaves it to rope.py."""
+        bits (docs/NUMERICS.md N13): phases complex64 [B or 1, T, R/2] (the kernel conjugates them for
+        the inverse); None where the policy leaves it to rope.py."""
         if not (self.native and x.device.type == "cpu" and x.shape[:2].numel() <= NATIVE_POSITIONS):
             return None
         if torch.is_grad_enabled() and x.requires_grad:
             return None
-        return native.rope(x, phases)
+        return native.rope(x, phases, inverse)
 
     def topk(self, scores: torch.Tensor, k: int, *, sorted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """topk.py's `topk` (exact ties to the lower index): one native call on the CPU where the policy

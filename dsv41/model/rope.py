@@ -68,14 +68,16 @@ class Rotary(nn.Module):
         fp32 math, x.dtype out. `phases`: `self.phases(positions)` already computed."""
         if self.freqs.device.type == "meta" or x.device.type == "meta":
             return x
-        phases = (self.phases(positions) if phases is None else phases).to(x.device)
-        if inverse:
-            phases = phases.conj()
+        phases = self.phases(positions) if phases is None else phases
+        if phases.device != x.device:
+            phases = phases.to(x.device)
         lead = list(positions.shape) if positions.dim() == 2 else [1, positions.numel()]
         if self.numerics is not None:
-            rotated = self.numerics.rope(x, phases.view(*lead, -1))
+            rotated = self.numerics.rope(x, phases.view(*lead, -1), inverse)
             if rotated is not None:
                 return rotated
+        if inverse:
+            phases = phases.conj()
         shape = lead + [1] * (x.dim() - 3) + [self.rope_dim // 2]
         tail = torch.view_as_complex(x[..., -self.rope_dim:].float().unflatten(-1, (-1, 2)).contiguous())
         rotated = torch.view_as_real(tail * phases.view(shape)).flatten(-2).to(x.dtype)

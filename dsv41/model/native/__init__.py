@@ -20,7 +20,9 @@ the weight, or (`exact`) the invariant kernels' float64 product without a float6
 It also runs fast numerics' routed experts of a few tokens in one call (`routed_experts`).
 `mixes.c` computes the hyper-connection mixes with Sinkhorn (`split_mixes`) with the bits of the
 reference-order torch path, in one call instead of ~90 torch operations. `topk.c` takes topk.py's
-top-k (ties to the lower index) in one call instead of its keys' ~10 operations; `attention.c` a
+top-k (ties to the lower index) in one call instead of its keys' ~10 operations, and fast numerics'
+router after the gate's logits (`route`: √softplus, the biased top-k, the normalised weights);
+`attention.c` a
 fast decode step's sparse attention (one softmax with the sink) instead of ~20, `norm.c` its RMSNorms,
 `indexer.c` its index scores (a ReLU-weighted head sum per key) instead of ~10 per batch row.
 
@@ -140,7 +142,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_hc_expand.restype = None
     lib.dsv41_hc_expand.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 5
     lib.dsv41_rope.restype = None
-    lib.dsv41_rope.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 3
+    lib.dsv41_rope.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3
     lib.dsv41_gemv_exact_kn.restype = ctypes.c_int
     lib.dsv41_gemv_exact_kn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.dsv41_sparse_attention.restype = ctypes.c_int
@@ -150,6 +152,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_rms_norm.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_float] + [ctypes.c_void_p, ctypes.c_int] * 2 + [ctypes.c_void_p]
     lib.dsv41_topk.restype = None
     lib.dsv41_topk.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
+    lib.dsv41_route.restype = ctypes.c_int
+    lib.dsv41_route.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_float] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 6
     lib.dsv41_vector_blocks.restype = ctypes.c_int
     lib.dsv41_vector_blocks.argtypes = []
     lib.dsv41_gemv_wide.restype = ctypes.c_int
@@ -277,6 +281,27 @@ def topk(scores: torch.Tensor, k: int, sorted: bool = True) -> tuple[torch.Tenso
     lib.dsv41_topk(rows, n, k, sorted, threads, flat.data_ptr(), scores.dtype == torch.bfloat16, heap.data_ptr(),
                    indices.data_ptr(), values.data_ptr())
     return values, indices
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, eps: float,
+          bias_vl: torch.Tensor | None = None, image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """moe.py `route` after the gate's logits (topk.c `dsv41_route`): fp32 CPU logits [n, E], bias and
+    bias_vl [E] fp32, image [n] bool (bias_vl selects for its tokens) → (weights [n, k] fp32, ids [n, k]
+    int64); None where the kernel is not available or does not take the call."""
+    lib = _library()
+    n, E = logits.shape
+    if lib is None or logits.dtype != torch.float32 or not 0 < k <= E or n == 0:
+        return None
+    logits, bias = logits.contiguous(), bias.float().contiguous()
+    vl = image_ptr = None
+    if bias_vl is not None and image is not None:
+        bias_vl, image = bias_vl.float().contiguous(), image.to(torch.bool).contiguous()
+        vl, image_ptr = bias_vl.data_ptr(), image.data_ptr()
+    ids, weights = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k, dtype=torch.float32)
+    threads = min(torch.get_num_threads(), n) if n * E >= TOPK_THREAD_FROM else 1
+    status = lib.dsv41_route(n, E, k, scale, eps, threads, logits.data_ptr(), bias.data_ptr(), vl, image_ptr,
+                             ids.data_ptr(), weights.data_ptr())
+    return (weights, ids) if status == 0 else None
 
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float32)
@@ -479,22 +504,21 @@ def hc_expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, com
     return streams
 
 
-def rope(x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor | None:
+def rope(x: torch.Tensor, phases: torch.Tensor, inverse: bool = False) -> torch.Tensor | None:
     """rope.py `Rotary.rotate` of a CPU tensor (rope.c): x [B, T, (heads,) F] bf16 or fp32, phases
-    complex64 [B or 1, T, R/2] (conjugated for the inverse) → x's last R features rotated, in x's dtype;
-    None where the kernel is not available or does not take the call."""
+    complex64 [B or 1, T, R/2], contiguous (conjugated by the kernel for the inverse) → x's last R
+    features rotated, in x's dtype; None where the kernel is not available or does not take the call."""
     lib = _library()
     if lib is None or x.dtype not in _GEMV_DTYPES or phases.dtype != torch.complex64 or x.dim() not in (3, 4):
         return None
     B, T, F = x.shape[0], x.shape[1], x.shape[-1]
     PB, R = phases.shape[0], 2 * phases.shape[-1]
-    if phases.shape[1] != T or PB not in (1, B):
+    if phases.shape[1] != T or PB not in (1, B) or phases.is_conj() or not phases.is_contiguous():
         return None
     x = x.contiguous()
-    table = torch.view_as_real(phases.resolve_conj()).contiguous()
     out = torch.empty_like(x)
-    lib.dsv41_rope(B, T, x.shape[2] if x.dim() == 4 else 1, F, R, PB, x.dtype == torch.bfloat16,
-                   x.data_ptr(), table.data_ptr(), out.data_ptr())
+    lib.dsv41_rope(B, T, x.shape[2] if x.dim() == 4 else 1, F, R, PB, x.dtype == torch.bfloat16, inverse,
+                   x.data_ptr(), phases.data_ptr(), out.data_ptr())
     return out
 
 

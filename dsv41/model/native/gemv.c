@@ -156,7 +156,8 @@ static inline __m128 lane_sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
  * loads masked (zeros add nothing). R is a constant at each call site, so the loops unroll.
  *
  * Two orders, the same bits (every lane sums in K order either way). `streaming` (the tile is the one
- * pass over these weight rows: a decode step of at most TILE rows) reads each weight row to its end
+ * pass over these weight rows, a decode step of at most TILE rows, or a routed expert's first pass over
+ * its group's rows: the group's later passes find the rows in L1) reads each weight row to its end
  * before the next, one sequential stream with the activations in L1: four rows read side by side are
  * four short streams inside a page, which the hardware prefetcher barely follows (one row through
  * 2048 × 512: 137 µs side by side, 93 µs row by row; docs/NUMERICS.md N20). Otherwise the rows go
@@ -450,7 +451,7 @@ static void expert_tile(int dot, const void *xs, int64_t m, int64_t K, const voi
             const int64_t R = m - k0 < TILE ? m - k0 : TILE;
             float part[TILE][TILE];
             for (int r = 0; r < TILE; r++) x[r] = (const uint16_t *)xs + (k0 + (r < R ? r : 0)) * K;
-            tile_dot_bf16_rows(R, m <= TILE, x, K, wr, part);
+            tile_dot_bf16_rows(R, k0 == 0, x, K, wr, part);
             for (int64_t r = 0; r < R; r++) memcpy(acc[k0 + r], part[r], sizeof part[r]);
         }
         return;

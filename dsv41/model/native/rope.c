@@ -1,7 +1,8 @@
 /* Rotary position embedding of a few rows (dsv41/model/rope.py `Rotary.rotate`, docs/ARCHITECTURE.md §10;
  * docs/NUMERICS.md N13): the last R features of every head, adjacent pairs as complex numbers, times the
- * position's phase (the caller conjugates it for the inverse), in fp32, rounded to x's dtype; the first
- * F − R features copied.
+ * position's phase (its conjugate for the inverse: `conj` negates the imaginary part as it is read, an
+ * exact step, so the bits are those of torch's product with the conjugated table), in fp32, rounded to
+ * x's dtype; the first F − R features copied.
  *
  * (a + bi)(c + di) = (ac − bd) + (ad + bc)i, each product rounded, then one subtraction or addition:
  * torch's complex64 multiply on the CPU (built with -ffp-contract=off, so no step is fused), which
@@ -16,7 +17,7 @@
 
 /* x, out [B, T, H, F] (H = 1 without heads), contiguous; phases [PB, T, R/2, 2] fp32 (re, im) with
  * PB = B or 1 (one table for every row). */
-void dsv41_rope(int64_t B, int64_t T, int64_t H, int64_t F, int64_t R, int64_t PB, int bf16,
+void dsv41_rope(int64_t B, int64_t T, int64_t H, int64_t F, int64_t R, int64_t PB, int bf16, int conj,
                 const void *x, const float *phases, void *out) {
     const size_t width = bf16 ? 2 : 4;
     for (int64_t b = 0; b < B; b++)
@@ -28,7 +29,7 @@ void dsv41_rope(int64_t B, int64_t T, int64_t H, int64_t F, int64_t R, int64_t P
                 for (int64_t k = 0; k < R / 2; k++) {
                     const int64_t at = row + F - R + 2 * k;
                     const float a = value_at(x, bf16, at), bi = value_at(x, bf16, at + 1);
-                    const float c = ph[2 * k], d = ph[2 * k + 1];
+                    const float c = ph[2 * k], d = conj ? -ph[2 * k + 1] : ph[2 * k + 1];
                     store_value(out, bf16, at, a * c - bi * d);
                     store_value(out, bf16, at + 1, a * d + bi * c);
                 }

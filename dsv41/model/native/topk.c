@@ -7,7 +7,9 @@
  * sorts them in descending order: the order `torch.topk(sorted=True)` gives distinct keys. No
  * arithmetic on the scores beyond the −0 fold, so every numerics policy may take it.
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -112,4 +114,49 @@ void dsv41_topk(int64_t rows, int64_t n, int64_t k, int sorted, int threads, con
             row_topk((const char *)scores + r * n * width, bf16, n, k, sorted, heap + span.index * n, indices + r * k,
                      (char *)values + r * k * width);
     }
+}
+
+/* The router of fast numerics (moe.py `route`, docs/ARCHITECTURE.md §13) in one call instead of ~10
+ * torch operations: per token, score = √softplus(logit) with softplus(x) = x above 20 (torch's
+ * threshold) and log1p(exp(x)) below; the k experts of the best score + bias (ties to the lower
+ * expert: the keys above); their scores as weights, divided by their sum + eps when k > 1 (summed in
+ * the chosen order), times `scale`. The bias only selects (trap 16); a token with image[t] set selects
+ * with bias_vl.
+ *
+ * logits [n, E] fp32, bias and bias_vl [E] fp32 (bias_vl and image may be NULL); ids [n, k] int64 and
+ * weights [n, k] fp32 out. 0 < k ≤ E < 2^32 (the caller checks). Returns 0, or -1 (no scratch). */
+int dsv41_route(int64_t n, int64_t E, int64_t k, float scale, float eps, int threads, const float *logits,
+                const float *bias, const float *bias_vl, const uint8_t *image, int64_t *ids, float *weights) {
+    if (threads < 1) threads = 1;
+    if (threads > n) threads = (int)n;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) if (threads > 1) reduction(|: failed)
+    {
+        const Span span = thread_span(n);
+        float *score = malloc(sizeof(float) * (size_t)(2 * E));
+        int64_t *heap = malloc(sizeof(int64_t) * (size_t)E);
+        if (score == NULL || heap == NULL) failed = 1;
+        for (int64_t t = span.begin; !failed && t < span.end; t++) {
+            float *select = score + E;
+            const float *b = (image != NULL && bias_vl != NULL && image[t]) ? bias_vl : bias;
+            for (int64_t e = 0; e < E; e++) {
+                const float x = logits[t * E + e];
+                score[e] = sqrtf(x > 20.0f ? x : log1pf(expf(x)));
+                select[e] = score[e] + b[e];
+            }
+            row_topk(select, 0, E, k, 1, heap, ids + t * k, weights + t * k);
+            float sum = 0.0f;
+            for (int64_t a = 0; a < k; a++) {
+                weights[t * k + a] = score[ids[t * k + a]];
+                sum += weights[t * k + a];
+            }
+            for (int64_t a = 0; a < k; a++) {
+                const float w = k > 1 ? weights[t * k + a] / (sum + eps) : weights[t * k + a];
+                weights[t * k + a] = w * scale;
+            }
+        }
+        free(score);
+        free(heap);
+    }
+    return failed ? -1 : 0;
 }
