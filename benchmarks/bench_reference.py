@@ -111,8 +111,9 @@ def bandwidth_gb_s() -> tuple[float, float]:
     return 2 * src.numel() * 4 / copy / 1e9, src.numel() * 4 / read / 1e9
 
 
-def decode_weight_bytes(model: Transformer) -> int:
-    """Weight bytes one fast decode step reads: everything but the embedding and the unchosen experts."""
+def decode_weight_bytes(model: Transformer, experts: float | None = None) -> int:
+    """Weight bytes one fast decode step reads: everything but the embedding and the unchosen experts
+    (`experts` chosen per layer: n_activated_experts at batch 1, more for a batch of rows)."""
     total = 0
     for name, p in model.named_parameters():
         if name.startswith("embed.") or ".ffn.experts." in name:
@@ -122,14 +123,21 @@ def decode_weight_bytes(model: Transformer) -> int:
     for block in model.layers:
         bank = block.ffn.experts
         per_expert = sum(w.weight[0].numel() * w.weight.element_size() for w in (bank.w1, bank.w2, bank.w3))
-        total += per_expert * cfg.n_activated_experts
+        total += per_expert * (cfg.n_activated_experts if experts is None else experts)
     return total
 
 
-def batch_speedup(model: Transformer, prefill: int, steps: int) -> tuple[float, float]:
-    """(ms per step at batch 1, aggregate tokens/s at batch 16 over batch 1) for fast decode."""
-    rates = []
+def batch_speedup(model: Transformer, prefill: int, steps: int) -> tuple[float, float, float]:
+    """(ms per step at batch 1, aggregate tokens/s at batch 16 over batch 1, distinct experts a layer
+    the batch-16 steps chose on average) for fast decode."""
+    rates, chosen = [], []
+
+    def count(module, args):
+        chosen.append(args[2].unique().numel())
+
+    hooks = [block.ffn.experts.register_forward_pre_hook(count) for block in model.layers]
     for batch in (1, BATCH):
+        chosen.clear()
         ids = torch.randint(0, model.cfg.vocab_size, (batch, prefill + steps), generator=torch.Generator().manual_seed(4))
         cache = model.new_cache(batch, prefill + steps)
         model(ids[:, :prefill], 0, cache)
@@ -137,7 +145,11 @@ def batch_speedup(model: Transformer, prefill: int, steps: int) -> tuple[float, 
         for p in range(prefill, prefill + steps):
             times.append(timed(lambda p=p: model.logits(model(ids[:, p:p + 1], p, cache).hidden[:, -1])))
         rates.append((statistics.median(times), batch / statistics.median(times)))
-    return rates[0][0] * 1e3, rates[1][1] / rates[0][1]
+    for hook in hooks:
+        hook.remove()
+    # the steps' share of the calls (the prefill's come first, one per layer)
+    experts = statistics.mean(chosen[len(model.layers):])
+    return rates[0][0] * 1e3, rates[1][1] / rates[0][1], experts
 
 
 def main() -> None:
@@ -185,8 +197,12 @@ def main() -> None:
               f"reads {need / 1e6:.1f} MB of weights, floor {at_read:.2f} ms at the read bandwidth "
               f"({at_copy:.2f} ms at the copy figure): it runs at {100 * at_read / ms:.0f}% of it ({100 * at_copy / ms:.0f}%)")
     for name, m in (("fast (bf16)", fast_model), ("fast (fp32)", fast32_model), ("reference/invariant", model)):
-        one_ms, scale = batch_speedup(m, args.prefill, args.decode)
-        print(f"{name} decode batch {BATCH}: {scale:.2f}x the tokens/s of batch 1 ({one_ms:.2f} ms per batch-1 step)")
+        one_ms, scale, experts = batch_speedup(m, args.prefill, args.decode)
+        one, many = decode_weight_bytes(m), decode_weight_bytes(m, experts)
+        print(f"{name} decode batch {BATCH}: {scale:.2f}x the tokens/s of batch 1 ({one_ms:.2f} ms per batch-1 step); "
+              f"its steps read {experts:.1f} of {cfg.n_routed_experts} experts a layer ({cfg.n_activated_experts} at "
+              f"batch 1), {many / 1e6:.0f} MB against {one / 1e6:.0f}: at the memory floor batch {BATCH} gives at most "
+              f"{BATCH * one / many:.2f}x")
 
 
 if __name__ == "__main__":

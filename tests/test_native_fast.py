@@ -439,7 +439,7 @@ def test_the_shared_expert_of_a_decode_step_is_one_native_call(dtype, monkeypatc
             b.data = a.data.clone()
     calls = []
     real = native.routed_experts
-    monkeypatch.setattr(native, "routed_experts", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(native, "routed_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = (torch.randn(1, 3, 64, generator=g) * 4).to(dtype)
     got, want = layers["native"](x), layers["torch"](x)
     assert calls == [1] and got.dtype == want.dtype == dtype and got.shape == want.shape
@@ -499,3 +499,33 @@ def test_a_mutated_router_is_caught(old, new, tmp_path, monkeypatch):
     with pytest.raises(AssertionError):
         for topk in (1, 2, 3):
             test_the_native_router_is_the_formula(topk, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_shared_expert_adds_onto_the_routed_sum_in_the_call(dtype, monkeypatch):
+    """MoE's `y + shared(x).float()` as one native call that accumulates into y: the same bits as the
+    shared expert's own output added after it; many rows keep torch."""
+    from dsv41.model.moe import Expert
+    g = torch.Generator().manual_seed(24)
+    layer = Expert(64, 96, 1.5, numerics=FAST_NATIVE, dtype=dtype)
+    for p in layer.parameters():
+        p.data = (torch.randn(p.shape, generator=g) / 8).to(p.dtype)
+    x = (torch.randn(3, 64, generator=g) * 4).to(dtype)
+    y = torch.randn(3, 64, generator=g) * 3
+    want = y + layer(x).float()
+    calls = []
+    real = native.routed_experts
+    monkeypatch.setattr(native, "routed_experts", lambda *a, **k: calls.append(k.get("into")) or real(*a, **k))
+    into = y.clone()
+    got = layer.added_to(into, x)
+    assert len(calls) == 1 and calls[0].data_ptr() == into.data_ptr() and got is into
+    assert torch.equal(got, want)
+    many, y_many = torch.randn(200, 64, generator=g).to(dtype), torch.randn(200, 64, generator=g)
+    assert torch.equal(layer.added_to(y_many.clone(), many), y_many + layer(many).float()) and len(calls) == 1
+
+
+def test_a_shared_expert_that_overwrites_the_routed_sum_is_caught(tmp_path, monkeypatch):
+    lib = mutated_library("gemv.c", "if (!accumulate)\n", "if (1)\n", tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_the_shared_expert_adds_onto_the_routed_sum_in_the_call(torch.float32, monkeypatch)

@@ -88,6 +88,16 @@ class Expert(nn.Module):
                 return fused
         return self.w2(swiglu(self.w1(x), self.w3(x), self.swiglu_limit, self.numerics).to(x.dtype))
 
+    def added_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y + forward(x) in fp32 (y fp32 [n, D], x [n, D]): the routed sum plus the shared expert's
+        output, which a decode step's few rows add in the native call, into y."""
+        if not self.w1.quantized and y.is_contiguous():
+            fused = self.numerics.dense_swiglu(x, self.w1.weight, self.w3.weight, self.w2.weight,
+                                               self.swiglu_limit, into=y)
+            if fused is not None:
+                return fused
+        return y + self.forward(x).float()
+
 
 class StackedWeight(nn.Module):
     """E matrices [out, in] in one storage format: `weight [E, …]` and, if quantised, `scale [E, …]`."""
@@ -295,7 +305,7 @@ class MoE(nn.Module):
         y = self.experts(flat, weights, ids)                                  # fp32 [n, D]
         if self.experts_parallel:
             dist.all_reduce(y, group=self.experts_group)                       # in fp32, as the reference (§13)
-        y = y + self.shared_experts(flat).float()
+        y = self.shared_experts.added_to(y, flat)
         return y.to(x.dtype).view_as(x), chosen
 
 

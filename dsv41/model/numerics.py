@@ -417,16 +417,24 @@ class Numerics:
         return native.route(logits, bias, topk, route_scale, eps, bias_vl, image_mask)
 
     def dense_swiglu(self, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                     limit: float) -> torch.Tensor | None:
+                     limit: float, into: torch.Tensor | None = None) -> torch.Tensor | None:
         """moe.py `Expert` (the shared expert, held weights) of a few rows in x's dtype: one native
         routed-experts call, every row on expert 0 at weight 1, which rounds where the layer does (the
         projections, the hidden and the output to the weights' dtype) instead of ~14 torch operations.
-        None where the policy leaves it to the layer."""
+        `into` (fp32, x's rows): the rounded output is added to it in the call, in place (the layer's
+        `into + out.float()`, the same bits), and returned. None where the policy leaves it to the layer."""
         rows = x.shape[:-1].numel()
         if rows > NATIVE_EXPERT_PAIRS or x.dtype != w1.dtype:
             return None
-        ids, weights = torch.zeros(rows, 1, dtype=torch.int64), torch.ones(rows, 1)
-        out = self.routed_experts(x.reshape(rows, -1), ids, weights, w1, w3, w2, limit)     # 2-d: one expert
+        if not (self.native and not self.quantized and x.device.type == "cpu"):
+            return None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w3, w2)):
+            return None
+        flat = x.reshape(rows, -1)
+        if into is not None:
+            added = native.routed_experts(flat, None, None, w1, w3, w2, limit, into=into.view(rows, -1))   # 2-d: one expert
+            return None if added is None else into
+        out = native.routed_experts(flat, None, None, w1, w3, w2, limit)
         return None if out is None else out.to(x.dtype).view(*x.shape[:-1], -1)
 
     def split_mixes(self, m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, streams: int, iters: int,

@@ -162,7 +162,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_index_scores.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
     experts = lib.dsv41_routed_experts
     experts.restype = ctypes.c_int
-    experts.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 7
+    experts.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 6
+                        + [ctypes.c_int, ctypes.c_void_p])
     return lib
 
 
@@ -415,25 +416,31 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> 
     return out if status == 0 else None
 
 
-def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                   w2: torch.Tensor, limit: float) -> torch.Tensor | None:
+def routed_experts(x: torch.Tensor, ids: torch.Tensor | None, weights: torch.Tensor | None, w1: torch.Tensor,
+                   w3: torch.Tensor, w2: torch.Tensor, limit: float, into: torch.Tensor | None = None) -> torch.Tensor | None:
     """Σ over each token's chosen experts of w2 · (SwiGLU(w1 · x, w3 · x) · weight), fp32 [n, D], for CPU
     tensors: x [n, D], ids [n, A] (negative: not this rank's), weights [n, A], banks w1, w3 [E, I, D] and
-    w2 [E, D, I] of one dtype (bf16 or fp32), held contiguous (2-d: one expert). None where the kernel
-    is not available or does not take the call."""
+    w2 [E, D, I] of one dtype (bf16 or fp32), held contiguous (2-d: one expert). ids and weights None:
+    every token through expert 0 at weight 1. `into` (fp32 [n, D], contiguous): the sum is added to it,
+    in place, and it is returned. None where the kernel is not available or does not take the call."""
     lib = _library()
     if lib is None or not all(w.is_contiguous() and w.dtype == w1.dtype for w in (w1, w3, w2)):
         return None
     if w1.dtype not in (torch.bfloat16, torch.float32):
         return None
+    if into is not None and not (into.dtype == torch.float32 and into.is_contiguous() and into.shape == x.shape):
+        return None
     x = x.contiguous() if x.dtype in (torch.bfloat16, torch.float32) else x.float().contiguous()
-    ids, weights = ids.to(torch.int64).contiguous(), weights.float().contiguous()
-    (n, A), (E, I, D) = ids.shape, (w1.shape if w1.dim() == 3 else (1, *w1.shape))
-    out = torch.empty(n, D, dtype=torch.float32)
+    n, (E, I, D) = x.shape[0], (w1.shape if w1.dim() == 3 else (1, *w1.shape))
+    A, ids_ptr, weights_ptr = 1, None, None
+    if ids is not None:
+        ids, weights = ids.to(torch.int64).contiguous(), weights.float().contiguous()
+        A, ids_ptr, weights_ptr = ids.shape[1], ids.data_ptr(), weights.data_ptr()
+    out = torch.empty(n, D, dtype=torch.float32) if into is None else into
     threads = torch.get_num_threads() if n * A * I * D >= GEMV_THREAD_FROM else 1
     status = lib.dsv41_routed_experts(n, A, E, D, I, w1.dtype == torch.bfloat16, x.dtype == torch.bfloat16,
-                                      limit, threads, x.data_ptr(), ids.data_ptr(), weights.data_ptr(),
-                                      w1.data_ptr(), w3.data_ptr(), w2.data_ptr(), out.data_ptr())
+                                      limit, threads, x.data_ptr(), ids_ptr, weights_ptr,
+                                      w1.data_ptr(), w3.data_ptr(), w2.data_ptr(), into is not None, out.data_ptr())
     return out if status == 0 else None
 
 

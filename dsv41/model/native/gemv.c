@@ -429,10 +429,13 @@ int dsv41_gemv_exact_kn(int64_t P, int64_t M, int64_t N, int64_t K, int threads,
  * pair's SwiGLU, its routing weight and its down projection, summed per token in ascending expert
  * order, in one call instead of a sort, a gather and three products per expert as torch ops.
  *
- * ids [n, A] local expert ids (negative: another rank's, skipped), weights [n, A] fp32; x [n, D];
+ * ids [n, A] local expert ids (negative: another rank's, skipped), weights [n, A] fp32 (both NULL: every
+ * token on expert 0 at weight 1, A = 1: the shared expert); x [n, D];
  * w1, w3 [E, I, D] and w2 [E, D, I] one dtype (bf16 or fp32); out [n, D] fp32. As the torch path does:
  * the hidden h = silu(min(g, limit)) · clamp(u, ±limit) · weight (limit ≤ 0: no clamp) and each pair's
- * output round to the banks' dtype; the products sum in this kernel's own order. Pairs of one expert
+ * output round to the banks' dtype; the products sum in this kernel's own order. With `accumulate` the
+ * pairs' outputs add to what `out` holds (the shared expert onto the routed sum, the order the layer
+ * adds them in) instead of to zero. Pairs of one expert
  * run together, up to MAX_ROWS at a time, so each chosen expert's weights are read once.
  * Returns 0, or -1 (an id of E or more, or an allocation failed; `out` untouched).
  */
@@ -467,10 +470,10 @@ static void expert_tile(int dot, const void *xs, int64_t m, int64_t K, const voi
 
 int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, int w_bf16, int x_bf16, float limit, int threads,
                          const void *x, const int64_t *ids, const float *weights,
-                         const void *w1, const void *w3, const void *w2, float *out) {
+                         const void *w1, const void *w3, const void *w2, int accumulate, float *out) {
     const int64_t pairs_max = n * A;
     for (int64_t q = 0; q < pairs_max; q++)
-        if (ids[q] >= E) return -1;
+        if (ids != NULL && ids[q] >= E) return -1;
 #if defined(__AVX512BF16__)
     const int dot = w_bf16 && x_bf16;      /* h rounds to bf16 anyway, so the down projection's operand is exact */
 #else
@@ -488,7 +491,7 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
     int64_t P = 0;
     for (int64_t t = 0; t < n; t++)
         for (int64_t a = 0; a < A; a++) {
-            const int64_t e = ids[t * A + a];
+            const int64_t e = ids != NULL ? ids[t * A + a] : 0;
             if (e < 0) continue;
             int64_t j = P++;                              /* insertion: pairs stay sorted by (expert, token) */
             while (j > 0 && pair[2 * (j - 1)] > e) {
@@ -533,7 +536,7 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
                 u = u < -limit ? -limit : (u > limit ? limit : u);
             }
             const float silu = g / (1.0f + expf(-g));
-            const float h = round_to(silu * u * weights[pair[2 * (q / I) + 1]], w_bf16);
+            const float h = round_to(silu * u * (weights != NULL ? weights[pair[2 * (q / I) + 1]] : 1.0f), w_bf16);
             if (dot) ((uint16_t *)hg)[q] = float_to_bf16(h);
             else ((float *)hg)[q] = h;
         }
@@ -546,7 +549,8 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
         }
         #pragma omp for schedule(static)
         for (int64_t d = 0; d < D; d++) {                    /* Σ per token, experts ascending */
-            for (int64_t t = 0; t < n; t++) out[t * D + d] = 0.0f;
+            if (!accumulate)
+                for (int64_t t = 0; t < n; t++) out[t * D + d] = 0.0f;
             for (int64_t p = 0; p < P; p++) out[(pair[2 * p + 1] / A) * D + d] += y[p * D + d];
         }
     }
