@@ -258,10 +258,7 @@ class Attention(nn.Module):
             if done:
                 self._publish(source, [step.slots[b] for b in done],
                               [step.starts[b] // self.role.ratio for b in done], latent)
-            published = [False] * step.n_rows
-            for b in done:
-                published[b] = True
-            return published
+            return [b in done for b in range(step.n_rows)]
         owners, rows, latents, published = [], [], [], []
         for r, (slot, start) in enumerate(zip(step.slots, step.starts)):
             seg = step.tokens_of(r)

@@ -70,8 +70,8 @@ class SourceState:
                      kv: torch.Tensor, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One new position per row (a decode step): kv, score [B, Dh] at position starts[b] of slot
         slots[b] (slot_index: the same slots as a tensor) → each row's open group [B, r, Dh] with it
-        (entries past it are stale). `carry` of the rows, as three indexed writes and reads instead of
-        ~8 operations per row; the groups stay valid as `recent` when the cache rolls back."""
+        (entries past it are stale). `carry` of the rows, as two indexed writes and two reads instead of
+        ~8 operations a row; the groups read back are each row's `recent` record for a rollback."""
         r = self.ratio
         lead = [s % r for s in starts]
         at = torch.tensor(lead, device=kv.device)
