@@ -394,15 +394,18 @@ class Numerics:
                 return out.view(*x.shape[:-1], weight.shape[1])
         return self.einsum("btgi,gri->btgr", x, weight)
 
-    def routed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
-                       w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor | None:
+    def routed_experts(self, x: torch.Tensor, ids: torch.Tensor | None, weights: torch.Tensor | None,
+                       w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
+                       into: torch.Tensor | None = None) -> torch.Tensor | None:
         """Fast numerics' native routed experts of a few tokens (moe.py `RoutedExperts`, held banks):
-        fp32 [n, D], or None where the policy leaves them to the layer's torch path."""
-        if not (self.native and not self.quantized and x.device.type == "cpu" and ids.numel() <= NATIVE_EXPERT_PAIRS):
+        fp32 [n, D] (added into `into` when given; ids None: every token on expert 0, `native.routed_experts`),
+        or None where the policy leaves them to the layer's torch path."""
+        pairs = x.shape[0] if ids is None else ids.numel()
+        if not (self.native and not self.quantized and x.device.type == "cpu" and pairs <= NATIVE_EXPERT_PAIRS):
             return None
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w1, w3, w2)):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weights, w1, w3, w2)):
             return None
-        return native.routed_experts(x, ids, weights, w1, w3, w2, limit)
+        return native.routed_experts(x, ids, weights, w1, w3, w2, limit, into=into)
 
     def route(self, logits: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float, eps: float,
               bias_vl: torch.Tensor | None, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -426,15 +429,11 @@ class Numerics:
         rows = x.shape[:-1].numel()
         if rows > NATIVE_EXPERT_PAIRS or x.dtype != w1.dtype:
             return None
-        if not (self.native and not self.quantized and x.device.type == "cpu"):
-            return None
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w3, w2)):
-            return None
-        flat = x.reshape(rows, -1)
+        flat = x.reshape(rows, -1)                                                  # 2-d banks: one expert
         if into is not None:
-            added = native.routed_experts(flat, None, None, w1, w3, w2, limit, into=into.view(rows, -1))   # 2-d: one expert
+            added = self.routed_experts(flat, None, None, w1, w3, w2, limit, into=into.view(rows, -1))
             return None if added is None else into
-        out = native.routed_experts(flat, None, None, w1, w3, w2, limit)
+        out = self.routed_experts(flat, None, None, w1, w3, w2, limit)
         return None if out is None else out.to(x.dtype).view(*x.shape[:-1], -1)
 
     def split_mixes(self, m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, streams: int, iters: int,
