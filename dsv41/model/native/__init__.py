@@ -22,9 +22,9 @@ It also runs fast numerics' routed experts of a few tokens in one call (`routed_
 reference-order torch path, in one call instead of ~90 torch operations. `topk.c` takes topk.py's
 top-k (ties to the lower index) in one call instead of its keys' ~10 operations, and fast numerics'
 router after the gate's logits (`route`: √softplus, the biased top-k, the normalised weights);
-`attention.c` a
-fast decode step's sparse attention (one softmax with the sink) instead of ~20, `norm.c` its RMSNorms,
-`indexer.c` its index scores (a ReLU-weighted head sum per key) instead of ~10 per batch row.
+`attention.c` a fast decode step's sparse attention (one softmax with the sink) instead of ~20,
+`norm.c` its RMSNorms, `indexer.c` its index scores (a ReLU-weighted head sum per key) instead of ~10
+per batch row.
 
 Threads come from OpenMP, which loads as torch's own copy of the runtime (the same soname), so a call
 joins torch's warm pool (~1 µs) instead of starting threads.
