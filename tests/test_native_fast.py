@@ -529,3 +529,30 @@ def test_a_shared_expert_that_overwrites_the_routed_sum_is_caught(tmp_path, monk
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         test_the_shared_expert_adds_onto_the_routed_sum_in_the_call(torch.float32, monkeypatch)
+
+
+def test_a_traced_model_takes_the_torch_path_where_eager_takes_the_kernels(monkeypatch):
+    # torch.compile traces with data-less fake tensors; a kernel handed their pointers would write
+    # through garbage, so every wrapper declines while tracing and the graph holds the torch ops
+    # (frames the tracer skips run eagerly, on real tensors, and may take the kernels)
+    from helpers import binding_config, build, token_ids, without_dspark
+    model = build(without_dspark(binding_config()), kernels="blas")
+    assert model.numerics.native
+    ids = token_ids(1, 9)
+    reached = []
+    real = native._loaded()
+    monkeypatch.setattr(native, "_loaded", lambda: reached.append(torch.compiler.is_compiling()) or real)
+
+    def decode(cache):
+        model(ids[:, :8], 0, cache)
+        return model.logits(model(ids[:, 8:], 8, cache).hidden[:, -1])
+
+    with torch.no_grad():
+        eager = decode(model.new_cache(1, 16))
+        assert reached and not any(reached)
+        reached.clear()
+        torch._dynamo.reset()
+        traced = torch.compile(decode, backend="eager")(model.new_cache(1, 16))
+        torch._dynamo.reset()
+    assert not any(reached), "a kernel was reached while tracing"
+    torch.testing.assert_close(traced, eager, rtol=1e-4, atol=1e-4)

@@ -167,8 +167,16 @@ def load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-@functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
+    # a compiler tracing the model holds fake tensors with no data: a C kernel handed their pointers
+    # writes through garbage, so while tracing every wrapper declines and the torch path is traced
+    if torch.compiler.is_compiling():
+        return None
+    return _loaded()
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded() -> ctypes.CDLL | None:
     # the compiled code, loaded once per process: a read-only resource, not a setting (the policy
     # object decides whether it is used)
     try:
@@ -185,13 +193,13 @@ def wide_products(bf16: bool) -> bool:
     """Whether `gemv` outruns torch's GEMM up to `numerics.NATIVE_WIDE_ROWS` rows in fast mode: for bf16
     operands where this build has AVX512-BF16 dot products, for fp32 ones where it has AVX-512 tiles
     (else only up to `NATIVE_GEMV_ROWS`)."""
-    lib = _library()
+    lib = _loaded()
     return lib is not None and bool(lib.dsv41_gemv_wide(bf16))
 
 
 def available() -> bool:
     """Whether the kernel is built (or can be) and loads on this machine."""
-    return _library() is not None
+    return _loaded() is not None
 
 
 @functools.lru_cache(maxsize=None)
