@@ -188,10 +188,10 @@ class Attention(nn.Module):
             handoff.window_rows[self.window] = window_indices(step, self.window)
         rows = handoff.window_rows[self.window]                                     # [N, W]
         if self.role.ratio:
-            compressed, listed = self._compressed(x, qr, step, handoff, cache)     # [M, Dh], [N, k]
             base = sum(p.shape[0] for p in pool)
+            compressed, listed = self._compressed(x, qr, step, handoff, cache, base)   # [M, Dh], [N, k]
             pool.append(compressed)
-            rows = torch.cat([rows, torch.where(listed >= 0, base + listed, -1)], dim=-1)
+            rows = torch.cat([rows, listed], dim=-1)
 
         o = sparse_attention(q, torch.cat(pool)[None], rows[None], self.attn_sink, self.softmax_scale, self.numerics)
         cache.write_window(layer, kv[0], step)
@@ -205,9 +205,9 @@ class Attention(nn.Module):
         return self.numerics.grouped_linear(groups, wo_a).flatten(2)
 
     # -------------------------------------------------------------------------------- compressed part
-    def _compressed(self, x, qr, step: Step, handoff: Handoff, cache: ModelCache):
+    def _compressed(self, x, qr, step: Step, handoff: Handoff, cache: ModelCache, base: int):
         """(compressed rows [M, Dh] of the kv source the call's lists read; per token its k entries [N, k]
-        as rows of them, or −1).
+        as base + rows of them, or −1: the rows' place in a pool that holds `base` rows before them).
 
         M = B·C (each row's compressed rows, row after row) or, when smaller, N·k: token i's selected
         rows at i·k … i·k + k − 1. A decode step or a chunk deep into a long context reads k rows per
@@ -238,10 +238,10 @@ class Attention(nn.Module):
         N, k = selected.shape
         if N * k < step.n_rows * C:
             picked = source.kv[step.token_slot.unsqueeze(1), selected.clamp(min=0)]   # [N, k, Dh]
-            listed = torch.arange(N * k, device=x.device).view(N, k)
+            listed = torch.arange(base, base + N * k, device=x.device).view(N, k)
             return picked.flatten(0, 1), torch.where(selected >= 0, listed, -1)
         kv = source.kv[list(step.slots), :C]                                         # [B, C, Dh]
-        return kv.flatten(0, 1), torch.where(selected >= 0, step.row.unsqueeze(1) * C + selected, -1)
+        return kv.flatten(0, 1), torch.where(selected >= 0, step.row.unsqueeze(1) * C + (selected + base), -1)
 
     def _compress(self, x: torch.Tensor, step: Step, source: SourceState) -> list[bool]:
         """Compress the groups each row completes into its slot's rows and index keys; → per row, whether

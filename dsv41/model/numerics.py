@@ -173,8 +173,9 @@ class Numerics:
 
     @property
     def host_mixes(self) -> bool:
-        """Hyper-connection mixes (Sinkhorn included) of few rows in NumPy (hyper.py)."""
-        return self.cpu_kernels
+        """Hyper-connection mixes (Sinkhorn included) of few rows in NumPy (hyper.py); not while
+        torch.compile traces (NumPy on fake tensors breaks the graph; docs/NUMERICS.md N22)."""
+        return self.cpu_kernels and not torch.compiler.is_compiling()
 
     @property
     def reference_order(self) -> bool:

@@ -188,13 +188,16 @@ def _loaded() -> ctypes.CDLL | None:
         return None
 
 
-@functools.lru_cache(maxsize=None)
 def wide_products(bf16: bool) -> bool:
     """Whether `gemv` outruns torch's GEMM up to `numerics.NATIVE_WIDE_ROWS` rows in fast mode: for bf16
     operands where this build has AVX512-BF16 dot products, for fp32 ones where it has AVX-512 tiles
-    (else only up to `NATIVE_GEMV_ROWS`)."""
-    lib = _loaded()
-    return lib is not None and bool(lib.dsv41_gemv_wide(bf16))
+    (else only up to `NATIVE_GEMV_ROWS`). False while tracing, like every wrapper."""
+    return _library() is not None and _wide(bf16)
+
+
+@functools.lru_cache(maxsize=None)
+def _wide(bf16: bool) -> bool:
+    return bool(_loaded().dsv41_gemv_wide(bf16))
 
 
 def available() -> bool:
