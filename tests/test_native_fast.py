@@ -55,6 +55,21 @@ def test_gemv_is_the_product_within_fp32_error(w_dtype, x_dtype, K):
         assert torch.equal(run_gemv(x, w, torch.bfloat16), out.to(torch.bfloat16))
 
 
+def test_without_wide_tiles_a_row_alone_is_bit_equal_to_the_row_among_others():
+    """Without AVX-512 tiles every row count sums in one order: the one-row loop (a decode step) keeps
+    its two sums in registers and reads ahead, and must add what the general loop adds, in its order."""
+    if native.wide_products(False):
+        pytest.skip("this CPU builds gemv.c with AVX-512 tiles, which sum several rows in their own order")
+    g = torch.Generator().manual_seed(3)
+    for w_dtype in (torch.bfloat16, torch.float32):
+        for K in (33, 512, 1000):
+            x = torch.randn(1, 5, K, generator=g)
+            w = torch.randn(1, 37, K, generator=g).to(w_dtype)
+            together = run_gemv(x, w, torch.float32)
+            for m in range(5):
+                assert torch.equal(run_gemv(x[:, m:m + 1], w, torch.float32)[0, 0], together[0, m]), (w_dtype, K, m)
+
+
 @pytest.mark.parametrize("K", [31, 32, 33, 512, 1000])
 def test_wide_tiles_are_the_product_within_fp32_error(K):
     """Past the 4-row tiles: activation rows 4 at a time against each weight tile, every tail (rows,
@@ -223,12 +238,16 @@ def test_routed_experts_layer_takes_the_kernel_and_matches_its_torch_path():
     # the AVX512-BF16 dot products: the K tail's last pair lost, one vector's lane sum taken twice
     ("(__mmask32)((1u << (K - k)) - 1u)", "(__mmask32)((1u << (K - k - 1)) - 1u)", "dot"),
     ("_mm512_unpackhi_ps(c, d)", "_mm512_unpackhi_ps(c, c)", "dot"),
+    # the one-row AVX2 loop: its second sum folded into the first (still the product, another order)
+    ("weight_lanes8(w, w_bf16, k + 8), s1);", "weight_lanes8(w, w_bf16, k + 8), s0);", "one row"),
 ])
 def test_a_mutated_fast_kernel_is_caught(old, new, check, tmp_path, monkeypatch):
     if check == "tiles" and not native.wide_products(False):
         pytest.skip("this CPU builds gemv.c without AVX-512 tiles")
     if check == "dot" and not native.wide_products(True):
         pytest.skip("this CPU builds gemv.c without AVX512-BF16 dot products")
+    if check == "one row" and native.wide_products(False):
+        pytest.skip("this CPU builds gemv.c with AVX-512, not the AVX2 one-row loop")
     lib = mutated_library("bf16.h" if check == "rounding" else "gemv.c", old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
@@ -236,6 +255,8 @@ def test_a_mutated_fast_kernel_is_caught(old, new, check, tmp_path, monkeypatch)
             test_gemv_is_the_product_within_fp32_error(torch.float32, torch.float32, 33)
         elif check == "dot":
             test_gemv_is_the_product_within_fp32_error(torch.bfloat16, torch.bfloat16, 33)
+        elif check == "one row":
+            test_without_wide_tiles_a_row_alone_is_bit_equal_to_the_row_among_others()
         elif check == "rounding":
             test_bf16_results_round_to_nearest_even_like_torch()
         else:

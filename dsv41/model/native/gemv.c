@@ -39,6 +39,31 @@ typedef struct {
     int64_t o_sp, o_sm;
 } Gemv;
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* Eight weight values from k on, widened to fp32 (bf16: the upper half of a float). */
+static inline __m256 weight_lanes8(const void *w, int w_bf16, int64_t k) {
+    if (!w_bf16) return _mm256_loadu_ps((const float *)w + k);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* The sum of a + b's eight lanes, in one fixed order: halves, then pairs, then the last two. */
+static inline float lane_sum8(__m256 a, __m256 b) {
+    const __m256 t = _mm256_add_ps(a, b);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* The sum of a + b's four double lanes: halves, then the last two. */
+static inline double lane_sum4d(__m256d a, __m256d b) {
+    const __m256d t = _mm256_add_pd(a, b);
+    const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(t), _mm256_extractf128_pd(t, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+}
+#endif
+
 /* One weight row (K values from `w`, bf16 or fp32) against M fp32 activation rows x[m * K …]: acc[m]. */
 static void row_dot(const float *x, int64_t M, int64_t K, const void *w, int w_bf16, float *acc) {
     int64_t k = 0;
@@ -62,29 +87,29 @@ static void row_dot(const float *x, int64_t M, int64_t K, const void *w, int w_b
     }
     for (int64_t m = 0; m < M; m++) acc[m] = _mm512_reduce_add_ps(_mm512_add_ps(s[m][0], s[m][1]));
 #elif defined(__AVX2__) && defined(__FMA__)
-    __m256 s[MAX_ROWS][2];
-    for (int64_t m = 0; m < M; m++) s[m][0] = s[m][1] = _mm256_setzero_ps();
-    for (; k + 16 <= K; k += 16) {
-        __m256 v0, v1;
-        if (w_bf16) {
-            const uint16_t *wb = (const uint16_t *)w + k;
-            v0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)wb)), 16));
-            v1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wb + 8))), 16));
-        } else {
-            v0 = _mm256_loadu_ps((const float *)w + k);
-            v1 = _mm256_loadu_ps((const float *)w + k + 8);
+    if (M == 1) {
+        /* one activation row (a decode step): its two sums in registers, where the M-indexed array
+         * below lives in memory, and the weight read 2 KB ahead of the loads (rows follow each other,
+         * so that runs into the next row); the same sums in the same order as the general loop */
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        const int64_t ww = w_bf16 ? 2 : 4;
+        for (; k + 16 <= K; k += 16) {
+            if ((k * ww) % 64 == 0) _mm_prefetch((const char *)w + k * ww + 2048, _MM_HINT_T0);
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), weight_lanes8(w, w_bf16, k), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), weight_lanes8(w, w_bf16, k + 8), s1);
         }
-        for (int64_t m = 0; m < M; m++) {
-            s[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), v0, s[m][0]);
-            s[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), v1, s[m][1]);
+        acc[0] = lane_sum8(s0, s1);
+    } else {
+        __m256 s[MAX_ROWS][2];
+        for (int64_t m = 0; m < M; m++) s[m][0] = s[m][1] = _mm256_setzero_ps();
+        for (; k + 16 <= K; k += 16) {
+            const __m256 v0 = weight_lanes8(w, w_bf16, k), v1 = weight_lanes8(w, w_bf16, k + 8);
+            for (int64_t m = 0; m < M; m++) {
+                s[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), v0, s[m][0]);
+                s[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), v1, s[m][1]);
+            }
         }
-    }
-    for (int64_t m = 0; m < M; m++) {
-        __m256 t = _mm256_add_ps(s[m][0], s[m][1]);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        acc[m] = _mm_cvtss_f32(h);
+        for (int64_t m = 0; m < M; m++) acc[m] = lane_sum8(s[m][0], s[m][1]);
     }
 #else
     for (int64_t m = 0; m < M; m++) acc[m] = 0.0f;
@@ -274,22 +299,14 @@ static void row_dot_exact(const double *x, int64_t M, int64_t K, const void *w, 
     __m256d s[MAX_ROWS][2];
     for (int64_t m = 0; m < M; m++) s[m][0] = s[m][1] = _mm256_setzero_pd();
     for (; k + 8 <= K; k += 8) {
-        __m256 v;
-        if (w_bf16)
-            v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + k))), 16));
-        else
-            v = _mm256_loadu_ps((const float *)w + k);
+        const __m256 v = weight_lanes8(w, w_bf16, k);
         const __m256d v0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), v1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
         for (int64_t m = 0; m < M; m++) {
             s[m][0] = _mm256_fmadd_pd(_mm256_loadu_pd(x + m * K + k), v0, s[m][0]);
             s[m][1] = _mm256_fmadd_pd(_mm256_loadu_pd(x + m * K + k + 4), v1, s[m][1]);
         }
     }
-    for (int64_t m = 0; m < M; m++) {
-        __m256d t = _mm256_add_pd(s[m][0], s[m][1]);
-        __m128d h = _mm_add_pd(_mm256_castpd256_pd128(t), _mm256_extractf128_pd(t, 1));
-        sum[m] = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
-    }
+    for (int64_t m = 0; m < M; m++) sum[m] = lane_sum4d(s[m][0], s[m][1]);
 #else
     for (int64_t m = 0; m < M; m++) sum[m] = 0.0;
 #endif
