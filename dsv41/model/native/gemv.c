@@ -62,6 +62,29 @@ static inline double lane_sum4d(__m256d a, __m256d b) {
     const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(t), _mm256_extractf128_pd(t, 1));
     return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
 }
+
+/* `row_dot`'s vector loop on AVX2 → the k it stopped at. Inlined where M is a constant (1 … 4: a
+ * decode step, an expert's few tokens) the compiler keeps the 2·M sums in registers; for a runtime
+ * count it keeps them on the stack, a load and a store per multiply-add (N23). The weight is read 2 KB
+ * ahead of the loads (its rows follow each other, so that runs into the next row). Every count sums
+ * the same lanes in the same K order and reduces them alike, so a row's result is the same in any. */
+static inline __attribute__((always_inline)) int64_t row_dot8(const float *x, int64_t M, int64_t K, const void *w,
+                                                              int w_bf16, float *acc) {
+    __m256 s[MAX_ROWS][2];
+    const int64_t ww = w_bf16 ? 2 : 4;
+    int64_t k = 0;
+    for (int64_t m = 0; m < M; m++) s[m][0] = s[m][1] = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+        if ((k * ww) % 64 == 0) _mm_prefetch((const char *)w + k * ww + 2048, _MM_HINT_T0);
+        const __m256 v0 = weight_lanes8(w, w_bf16, k), v1 = weight_lanes8(w, w_bf16, k + 8);
+        for (int64_t m = 0; m < M; m++) {
+            s[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), v0, s[m][0]);
+            s[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), v1, s[m][1]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) acc[m] = lane_sum8(s[m][0], s[m][1]);
+    return k;
+}
 #endif
 
 /* One weight row (K values from `w`, bf16 or fp32) against M fp32 activation rows x[m * K …]: acc[m]. */
@@ -87,29 +110,12 @@ static void row_dot(const float *x, int64_t M, int64_t K, const void *w, int w_b
     }
     for (int64_t m = 0; m < M; m++) acc[m] = _mm512_reduce_add_ps(_mm512_add_ps(s[m][0], s[m][1]));
 #elif defined(__AVX2__) && defined(__FMA__)
-    if (M == 1) {
-        /* one activation row (a decode step): its two sums in registers, where the M-indexed array
-         * below lives in memory, and the weight read 2 KB ahead of the loads (rows follow each other,
-         * so that runs into the next row); the same sums in the same order as the general loop */
-        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-        const int64_t ww = w_bf16 ? 2 : 4;
-        for (; k + 16 <= K; k += 16) {
-            if ((k * ww) % 64 == 0) _mm_prefetch((const char *)w + k * ww + 2048, _MM_HINT_T0);
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), weight_lanes8(w, w_bf16, k), s0);
-            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), weight_lanes8(w, w_bf16, k + 8), s1);
-        }
-        acc[0] = lane_sum8(s0, s1);
-    } else {
-        __m256 s[MAX_ROWS][2];
-        for (int64_t m = 0; m < M; m++) s[m][0] = s[m][1] = _mm256_setzero_ps();
-        for (; k + 16 <= K; k += 16) {
-            const __m256 v0 = weight_lanes8(w, w_bf16, k), v1 = weight_lanes8(w, w_bf16, k + 8);
-            for (int64_t m = 0; m < M; m++) {
-                s[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), v0, s[m][0]);
-                s[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), v1, s[m][1]);
-            }
-        }
-        for (int64_t m = 0; m < M; m++) acc[m] = lane_sum8(s[m][0], s[m][1]);
+    switch (M) {                                /* a constant count per call site: sums in registers */
+    case 1: k = row_dot8(x, 1, K, w, w_bf16, acc); break;
+    case 2: k = row_dot8(x, 2, K, w, w_bf16, acc); break;
+    case 3: k = row_dot8(x, 3, K, w, w_bf16, acc); break;
+    case 4: k = row_dot8(x, 4, K, w, w_bf16, acc); break;
+    default: k = row_dot8(x, M, K, w, w_bf16, acc);
     }
 #else
     for (int64_t m = 0; m < M; m++) acc[m] = 0.0f;
