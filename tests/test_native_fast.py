@@ -19,7 +19,7 @@ from dsv41.model import Transformer
 from dsv41.model import native
 from dsv41.model.init import init_random_
 from dsv41.model.moe import RoutedExperts
-from dsv41.model.numerics import NATIVE_FP32_FROM, NATIVE_GEMV_ROWS, NATIVE_WIDE_ROWS, Numerics
+from dsv41.model.numerics import NATIVE_AMX_ROWS, NATIVE_FP32_FROM, NATIVE_GEMV_ROWS, NATIVE_WIDE_ROWS, Numerics
 
 from test_native import mutated_library
 
@@ -135,8 +135,11 @@ def test_the_policy_takes_the_native_product_for_few_rows_only(monkeypatch):
         monkeypatch.setattr(native, name, lambda *a, real=real, **k: calls.append(a[0].shape) or real(*a, **k))
     g = torch.Generator().manual_seed(6)
     w = torch.randn(48, 256, generator=g).to(torch.bfloat16)
-    # bf16 products run natively up to 32 rows where the build has AVX512-BF16 dot products, else 4
+    # bf16 products run natively up to 32 rows where the build has AVX512-BF16 dot products (8 where
+    # torch's GEMM has AMX tiles), else 4
     most = NATIVE_WIDE_ROWS if native.wide_products(True) else NATIVE_GEMV_ROWS
+    if native.wide_products(True) and _cpu_has("amx_bf16") and torch.backends.mkldnn.is_available():
+        most = NATIVE_AMX_ROWS
     for rows in (1, most, most + 1):
         x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
         got = FAST_NATIVE.linear(x, w)
@@ -167,6 +170,39 @@ def test_the_policy_takes_the_native_product_for_few_rows_only(monkeypatch):
     # and so does a batch of rows of it where the build has AVX-512 tiles
     FAST_NATIVE.linear(torch.randn(NATIVE_WIDE_ROWS, 256, generator=g), head)
     assert len(calls) == (6 if native.wide_products(False) else 5)
+
+
+def test_amx_products_are_found_from_the_cpu_flags():
+    expected = _cpu_has("amx_bf16", "amx_tile") and torch.backends.mkldnn.is_available()
+    assert native.amx_products() == expected
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_with_amx_tiles_more_than_a_few_bf16_rows_go_to_torch(amx, monkeypatch):
+    # where torch's bf16 GEMM runs on AMX tiles, the products and the shared expert of more than
+    # NATIVE_AMX_ROWS rows leave the dot products for it (N24); without them the dot products keep
+    # up to NATIVE_WIDE_ROWS rows
+    if not native.wide_products(True):
+        pytest.skip("this CPU builds gemv.c without AVX512-BF16 dot products")
+    monkeypatch.setattr(native, "_amx", lambda: amx)
+    calls = []
+    for name in ("gemv", "linear", "routed_experts"):
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    w1, w3 = (torch.randn(24, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    w2 = torch.randn(64, 24, generator=g).to(torch.bfloat16)
+    for rows in (NATIVE_AMX_ROWS, NATIVE_AMX_ROWS + 1):
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        calls.clear()
+        got = FAST_NATIVE.linear(x, w)
+        exact = x.double() @ w.double().t()
+        assert ((got.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + product_bound(x[None], w[None])[0]).all()
+        shared = FAST_NATIVE.dense_swiglu(x, w1, w3, w2, 10.0)
+        native_here = rows <= NATIVE_AMX_ROWS or not amx
+        assert calls == (["linear", "routed_experts"] if native_here else [])
+        assert (shared is not None) == native_here
 
 
 def test_policy_construction():

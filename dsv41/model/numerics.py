@@ -90,6 +90,11 @@ NATIVE_GEMV_ROWS = 4
 # rows a 512 × 512 bf16 weight takes 107 µs against oneDNN's 169, the 8192 × 512 fp32 head 2.2 ms
 # against MKL's 4.6; at 32 rows they are even on a 1536 × 512 weight.
 NATIVE_WIDE_ROWS = 32
+# Most rows of a bf16 product, and of a shared expert, that fast numerics' native kernels take where
+# torch's bf16 GEMM runs on AMX tiles (`native.amx_products`, N24): there oneDNN takes a 24-row
+# 1024 × 512 product in 48 µs against the dot products' 146, an 8-row one in 43 against 54 (in a
+# model, at 8 rows a decode step runs as fast either way).
+NATIVE_AMX_ROWS = 8
 # Fewest values of an fp32 weight fast numerics' native product takes: MKL's fp32 GEMV streams a
 # large weight at ~15 GB/s here (the 8192 × 512 head 719 µs, native 201 µs) and wins below ~1M values
 # (a 24 × 2048 mix projection 5.6 µs against 11 µs).
@@ -430,6 +435,8 @@ class Numerics:
         rows = x.shape[:-1].numel()
         if rows > NATIVE_EXPERT_PAIRS or x.dtype != w1.dtype:
             return None
+        if x.dtype == torch.bfloat16 and rows > NATIVE_AMX_ROWS and native.amx_products():
+            return None                                     # a prefill's rows: oneDNN's AMX tiles (N24)
         flat = x.reshape(rows, -1)                                                  # 2-d banks: one expert
         if into is not None:
             added = self.routed_experts(flat, None, None, w1, w3, w2, limit, into=into.view(rows, -1))
@@ -512,11 +519,19 @@ class Numerics:
                 return False
         elif x.dtype != torch.bfloat16:
             return False
-        wide = not self.invariant and native.wide_products(x.dtype == torch.bfloat16)
-        rows = NATIVE_WIDE_ROWS if wide else NATIVE_GEMV_ROWS
+        rows = NATIVE_GEMV_ROWS if self.invariant else self._fast_product_rows(x.dtype == torch.bfloat16)
         if x.numel() > rows * x.shape[-1] * (weight.shape[0] if weight.dim() == 3 else 1):
             return False
         return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+
+    @staticmethod
+    def _fast_product_rows(bf16: bool) -> int:
+        """Most rows per weight of fast numerics' native product: `NATIVE_WIDE_ROWS` where the build
+        multiplies in wide tiles, but for bf16 only `NATIVE_AMX_ROWS` where torch's GEMM has AMX tiles
+        (N24); `NATIVE_GEMV_ROWS` without wide tiles."""
+        if not native.wide_products(bf16):
+            return NATIVE_GEMV_ROWS
+        return NATIVE_AMX_ROWS if bf16 and native.amx_products() else NATIVE_WIDE_ROWS
 
     def activation_einsum(self, equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """`einsum` of two activations (no weight), which the CPU kernels compute from fp32 copies."""

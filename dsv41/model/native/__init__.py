@@ -158,6 +158,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_vector_blocks.argtypes = []
     lib.dsv41_gemv_wide.restype = ctypes.c_int
     lib.dsv41_gemv_wide.argtypes = [ctypes.c_int]
+    lib.dsv41_amx_bf16.restype = ctypes.c_int
+    lib.dsv41_amx_bf16.argtypes = []
     lib.dsv41_index_scores.restype = ctypes.c_int
     lib.dsv41_index_scores.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
     experts = lib.dsv41_routed_experts
@@ -198,6 +200,18 @@ def wide_products(bf16: bool) -> bool:
 @functools.lru_cache(maxsize=None)
 def _wide(bf16: bool) -> bool:
     return bool(_loaded().dsv41_gemv_wide(bf16))
+
+
+def amx_products() -> bool:
+    """Whether torch's bf16 GEMM multiplies in AMX tiles on this machine: this build targets a CPU with
+    AMX-BF16 and torch has oneDNN, which takes them. Then it outruns `gemv`'s dot products past
+    `numerics.NATIVE_AMX_ROWS` rows (N24). False while tracing, like every wrapper."""
+    return _library() is not None and _amx()
+
+
+@functools.lru_cache(maxsize=None)
+def _amx() -> bool:
+    return bool(_loaded().dsv41_amx_bf16()) and torch.backends.mkldnn.is_available()
 
 
 def available() -> bool:

@@ -280,6 +280,16 @@ int dsv41_gemv_wide(int bf16) {
     return 0;
 }
 
+/* 1 where this build targets a CPU with AMX bf16 tiles (N24): there torch's oneDNN GEMM multiplies bf16
+ * in them, and from about 16 rows it outruns the dot products above. */
+int dsv41_amx_bf16(void) {
+#if defined(__AMX_BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* `row_dot` with every product exact in double and the sum in double (one rounding to fp32 after). */
 static void row_dot_exact(const double *x, int64_t M, int64_t K, const void *w, int w_bf16, float *acc) {
     double sum[MAX_ROWS];
