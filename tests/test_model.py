@@ -176,6 +176,16 @@ def test_token_ids_out_of_range(small_model):
     assert cache.length == 0
 
 
+def test_host_ids_are_checked_on_the_host_then_moved():
+    # the engine hands its ids over on the host: an accelerator model checks them there and copies them,
+    # reading no device value (a meta model has none to read: checking after the copy would raise)
+    model = Transformer(helpers.nonbinding_config(), RuntimeConfig(), device="meta")
+    moved = model._checked_ids(torch.tensor([0, 5, 255]))
+    assert moved.device.type == "meta" and moved.shape == (3,)
+    with pytest.raises(InputError, match=r"\[0, 256\), got min 0 max 256"):
+        model._checked_ids(torch.tensor([0, 256]))
+
+
 def test_rewinding_is_rejected_and_leaves_the_cache_usable(small_model):
     """The window ring and the pooling tail already hold later positions in the slots a rewind would
     read, so a call before the cache's end is refused (rollback of a verified suffix is the speculative

@@ -151,7 +151,7 @@ class Engine:
         works = plan(running, self.config.token_budget, self.config.prefill_chunk, drafts)
         step = self.model.step([w.seq.slot for w in works], [w.seq.fed for w in works],
                                [len(w.tokens) for w in works])
-        ids = torch.tensor([t for w in works for t in w.tokens], device=self.model.device)
+        ids = torch.tensor([t for w in works for t in w.tokens])        # on the host: checked there (no sync)
         snap = self.cache.snapshot(step) if any(w.drafts for w in works) else None
         images = self._span_rows(works, step)
         out = self.model(ids, step, self.cache) if images is None else self.model(ids, step, self.cache, images=images)

@@ -165,7 +165,7 @@ class Transformer(nn.Module):
             self._check_images(images, step.n_tokens)
             token_types = images.types if token_types is None else token_types
         cache.begin(step)
-        self._check_ids(ids)
+        ids = self._checked_ids(ids)
         image_mask = None if token_types is None else (token_types >= 0)[None]
         text_mask = None if image_mask is None else ~image_mask
         engram_rows = self._gather_engram_rows(ids, step, cache, text_mask)
@@ -235,12 +235,17 @@ class Transformer(nn.Module):
         if n and (int(images.index.min()) < 0 or int(images.index.max()) >= n_tokens):
             raise ImageError(f"image span positions must index the call's {n_tokens} tokens")
 
-    def _check_ids(self, ids: torch.Tensor) -> None:
+    def _checked_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids checked against the vocabulary, on the model's device. Ids given on the host (the engine's)
+        are checked there and then copied: an accelerator model's step waits on no device value. Ids
+        given on the device are checked there, which waits for the device once."""
         if ids.dtype not in (torch.int32, torch.int64):
             raise InputError(f"token ids must be an integer tensor, got {ids.dtype}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
-            raise InputError(f"token ids must lie in [0, {self.cfg.vocab_size}), got min {int(ids.min())} "
-                             f"max {int(ids.max())}")
+        if ids.numel():
+            low, high = (int(v) for v in torch.aminmax(ids))
+            if low < 0 or high >= self.cfg.vocab_size:
+                raise InputError(f"token ids must lie in [0, {self.cfg.vocab_size}), got min {low} max {high}")
+        return ids.to(self.device, non_blocking=True)
 
     def _gather_engram_rows(self, ids, step: Step, cache, text_mask) -> list[Future]:
         """Issue every Engram layer's row gather before the blocks run (hash ids depend only on tokens).
