@@ -22,7 +22,7 @@ from dsv41.model.numerics import NATIVE_MIX_ROWS, Numerics
 TORCH, NATIVE = Numerics("reference", "invariant"), Numerics("reference", "invariant", native=True)
 # Row counts that reach every path of blockgemm.c: the row kernel (1–7), register tiles of 6 rows with
 # each tail (8–13), and chunks of 256 rows ending in a partial one (263).
-ROW_COUNTS = (*range(1, 14), 263)
+ROW_COUNTS = (*range(1, 14), 24, 37, 263)
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here: the torch path runs instead")
 
@@ -145,9 +145,16 @@ def mutated_library(name: str, old: str, new: str, tmp_path, monkeypatch):
     (1, "fp4", 1, "_mm_unpacklo_epi8(even, odd)", "_mm_unpacklo_epi8(odd, even)"),
     (1, "fp8", 1, "return _mm512_reduce_add_pd(_mm512_add_pd(d0, d1));", "return _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));"),
     # the tiled kernel: fp4 values read as 2·w, and the blocks accumulated against K order
-    (None, "fp4", 13, "wt[j][c] = 0.5 * (double)v_int[j];", "wt[j][c] = (double)v_int[j];"),
-    (None, "fp8", 13, "for (int64_t k = 0; k < nb; k++) {\n            decode_tile",
+    (0, "fp4", 13, "wt[j][c] = 0.5 * (double)v_int[j];", "wt[j][c] = (double)v_int[j];"),
+    (0, "fp8", 13, "for (int64_t k = 0; k < nb; k++) {\n            decode_tile",
      "for (int64_t k = nb - 1; k >= 0; k--) {\n            decode_tile"),
+    # with AVX-512 lanes down the rows: the blocks against K order, a 16-row tail's second vector lost,
+    # an fp4 block's second half decoded from its first
+    (1, "fp8", 13, "for (int64_t k = 0; k < nb; k++) {\n            decode_columns",
+     "for (int64_t k = nb - 1; k >= 0; k--) {\n            decode_columns"),
+    (1, "fp4", 13, "if (RP - r == 16) column_rows(2,", "if (RP - r == 16) column_rows(1,"),
+    (1, "fp4", 37, "_mm512_storeu_pd(w[c] + 16, _mm512_cvtps_pd(_mm512_castps512_ps256(v1)));",
+     "_mm512_storeu_pd(w[c] + 16, _mm512_cvtps_pd(_mm512_castps512_ps256(v0)));"),
 ])
 def test_a_mutated_kernel_fails_the_comparison(lanes, storage, rows, old, new, tmp_path, monkeypatch):
     """Mutation: the same comparison against a kernel built from a broken copy of the source (each row

@@ -315,12 +315,158 @@ static int run_tiled(const Job *job, int64_t P, int threads, const uint8_t *q) {
     return 0;
 }
 
+#if VECTOR_BLOCKS
+/* Many rows with AVX-512 (N25): the lanes run down the activation rows, not across the columns. A
+ * chunk's activations are widened to double once and stored K-major ([K][rows], rows padded with
+ * zeros to whole vectors of 8), and so are its block scales; each column's 32-value weight block
+ * decodes in vector lanes (`fp8_lanes`, `fp4_lanes`) into 32 doubles, and S for 8 columns × up to 24
+ * rows is 32 fused multiply-adds of a row vector by a broadcast weight per column and vector. The
+ * products are exact and so is every partial sum (the bounds at the top), so S is the row kernels'
+ * in any order; the fp32 steps after it are theirs, vector by vector: S rounded once to fp32, times
+ * the rows' scales, times the column's, added. Before, the weights decoded one value at a time into
+ * a [j][column] tile and the fp32 steps ran one output at a time, costing more than the sums. */
+#define VCOLS 8
+#define RV_MAX 3
+
+/* Block k of columns n0 … n0 + VCOLS − 1 (past `cols`: zeros) of pair p as doubles w[c][j], and their scales. */
+static void decode_columns(const Job *job, __m512 e2m1, int64_t p, int64_t n0, int64_t cols, int64_t k,
+                           double w[VCOLS][BLOCK], float wsc[VCOLS]) {
+    const int64_t N = job->N, K = job->K, nb = K / BLOCK;
+    const int64_t row_bytes = job->fp4 ? K / 2 : K, ld = (K + job->cg - 1) / job->cg;
+    for (int64_t c = 0; c < VCOLS; c++) {
+        if (c >= cols) {
+            for (int j = 0; j < BLOCK; j += 8) _mm512_storeu_pd(w[c] + j, _mm512_setzero_pd());
+            wsc[c] = 0.0f;
+            continue;
+        }
+        const int64_t n = n0 + c;
+        const uint8_t *bytes = job->w + (p * N + n) * row_bytes + k * (job->fp4 ? BLOCK / 2 : BLOCK);
+        __m512 v0, v1;
+        if (job->fp4) fp4_lanes(bytes, e2m1, &v0, &v1);
+        else {
+            v0 = fp8_lanes(bytes);
+            v1 = fp8_lanes(bytes + 16);
+        }
+        _mm512_storeu_pd(w[c], _mm512_cvtps_pd(_mm512_castps512_ps256(v0)));
+        _mm512_storeu_pd(w[c] + 8, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v0), 1))));
+        _mm512_storeu_pd(w[c] + 16, _mm512_cvtps_pd(_mm512_castps512_ps256(v1)));
+        _mm512_storeu_pd(w[c] + 24, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v1), 1))));
+        wsc[c] = job->ws ? job->ws[(p * N + n) * nb + k]
+                         : e8m0_value(job->ws8[(p * ((N + job->rg - 1) / job->rg) + n / job->rg) * ld + k * BLOCK / job->cg]);
+    }
+}
+
+/* acc[c][r] += the fp32 steps of S[c][r] for RV vectors of 8 rows from aT (block k's 32 rows of the
+ * K-major activations, `stride` doubles apart) and qsT (block k's row scales). RV is a constant at
+ * each call, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void column_rows(int RV, const double *aT, int64_t stride, const float *qsT,
+                                                              const double w[VCOLS][BLOCK], const float wsc[VCOLS],
+                                                              float *acc, int64_t acc_stride) {
+    __m512d s[VCOLS][RV_MAX];
+    for (int c = 0; c < VCOLS; c++)
+        for (int v = 0; v < RV; v++) s[c][v] = _mm512_setzero_pd();
+    for (int j = 0; j < BLOCK; j++) {
+        __m512d a[RV_MAX];
+        for (int v = 0; v < RV; v++) a[v] = _mm512_loadu_pd(aT + j * stride + 8 * v);
+        for (int c = 0; c < VCOLS; c++) {
+            const __m512d wc = _mm512_set1_pd(w[c][j]);
+            for (int v = 0; v < RV; v++) s[c][v] = _mm512_fmadd_pd(a[v], wc, s[c][v]);
+        }
+    }
+    for (int v = 0; v < RV; v++) {
+        const __m256 qs = _mm256_loadu_ps(qsT + 8 * v);
+        for (int c = 0; c < VCOLS; c++) {
+            float *at = acc + c * acc_stride + 8 * v;
+            __m256 partial = _mm512_cvtpd_ps(s[c][v]);
+            partial = _mm256_mul_ps(partial, qs);
+            partial = _mm256_mul_ps(partial, _mm256_set1_ps(wsc[c]));
+            _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), partial));
+        }
+    }
+}
+
+/* Column tiles begin..end (pair-major, ⌈N / VCOLS⌉ per pair) for rows m0 .. m0 + rows of a chunk:
+ * aT [P, K, RP] and qsT [P, K/32, RP], RP = rows padded to a multiple of 8. */
+static void run_columns(const Job *job, const double *aT, const float *qsT, int64_t m0, int64_t rows, int64_t RP,
+                        int64_t begin, int64_t end, float *acc) {
+    const int64_t M = job->M, N = job->N, K = job->K, nb = K / BLOCK, tiles = (N + VCOLS - 1) / VCOLS;
+    double w[VCOLS][BLOCK] __attribute__((aligned(64)));
+    float wsc[VCOLS], halves[16];
+    for (int i = 0; i < 16; i++) halves[i] = 0.5f * (float)job->e2m1_int[i];
+    const __m512 e2m1 = _mm512_loadu_ps(halves);
+    for (int64_t t = begin; t < end; t++) {
+        const int64_t p = t / tiles, n0 = (t % tiles) * VCOLS;
+        const int64_t cols = N - n0 < VCOLS ? N - n0 : VCOLS;
+        memset(acc, 0, sizeof(float) * VCOLS * RP);
+        for (int64_t k = 0; k < nb; k++) {
+            decode_columns(job, e2m1, p, n0, cols, k, w, wsc);
+            const double *a = aT + (p * K + k * BLOCK) * RP;
+            const float *qs = qsT + (p * nb + k) * RP;
+            int64_t r = 0;
+            for (; r + 8 * RV_MAX <= RP; r += 8 * RV_MAX) column_rows(RV_MAX, a + r, RP, qs + r, w, wsc, acc + r, RP);
+            if (RP - r == 16) column_rows(2, a + r, RP, qs + r, w, wsc, acc + r, RP);
+            else if (RP - r == 8) column_rows(1, a + r, RP, qs + r, w, wsc, acc + r, RP);
+        }
+        for (int64_t c = 0; c < cols; c++)
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t at = (p * M + m0 + r) * N + n0 + c;
+                if (job->out) job->out[at] = acc[c * RP + r];
+                else job->out_bf16[at] = float_to_bf16(acc[c * RP + r]);
+            }
+    }
+}
+
+static int run_columns_tiled(const Job *job, int64_t P, int threads, const uint8_t *q) {
+    const int64_t M = job->M, N = job->N, K = job->K, nb = K / BLOCK, tiles = P * ((N + VCOLS - 1) / VCOLS);
+    const int64_t chunk = M < CHUNK_ROWS ? M : CHUNK_ROWS, RPmax = (chunk + 7) / 8 * 8;
+    if (threads < 1) threads = 1;
+    if (threads > tiles) threads = (int)tiles;
+    double *aT = malloc(sizeof(double) * P * K * RPmax);
+    float *qsT = malloc(sizeof(float) * P * nb * RPmax), *acc = malloc(sizeof(float) * threads * VCOLS * RPmax);
+    if (aT == NULL || qsT == NULL || acc == NULL) {
+        free(aT); free(qsT); free(acc);
+        return -1;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t rows = M - m0 < chunk ? M - m0 : chunk, RP = (rows + 7) / 8 * 8;
+        #pragma omp parallel num_threads(threads) if (threads > 1)
+        {
+            /* block b's 32 activation columns and scales, K-major: each row read in order, the writes
+             * within the block's RP × 32 doubles (L1) */
+            #pragma omp for schedule(static)
+            for (int64_t b = 0; b < P * nb; b++) {
+                const int64_t p = b / nb, k = b % nb;
+                double *col = aT + (p * K + k * BLOCK) * RP;
+                for (int64_t r = 0; r < RP; r++) {
+                    if (r >= rows) {
+                        for (int j = 0; j < BLOCK; j++) col[j * RP + r] = 0.0;
+                        qsT[b * RP + r] = 0.0f;
+                        continue;
+                    }
+                    const uint8_t *src = q + (p * M + m0 + r) * K + k * BLOCK;
+                    for (int j = 0; j < BLOCK; j++) col[j * RP + r] = (double)job->e4m3[src[j]];
+                    qsT[b * RP + r] = job->qs[(p * M + m0 + r) * nb + k];
+                }
+            }
+            const Span span = thread_span(tiles);
+            run_columns(job, aT, qsT, m0, rows, RP, span.begin, span.end, acc + span.index * VCOLS * RPmax);
+        }
+    }
+    free(aT); free(qsT); free(acc);
+    return 0;
+}
+#endif
+
 /* The products of every pair's rows, split over `threads` OpenMP threads (torch's pool:
  * native/__init__.py): job's P·N output rows, activation bytes q decoded once. Returns 0, or -1 if
  * memory could not be had (nothing is then written; the caller takes the torch path). */
 static int run(Job job, int64_t P, int threads, const uint8_t *q, const int32_t *e4m3_int) {
     const int64_t M = job.M, N = job.N, K = job.K;
+#if VECTOR_BLOCKS
+    if (M >= TILED_FROM) return run_columns_tiled(&job, P, threads, q);
+#else
     if (M >= TILED_FROM) return run_tiled(&job, P, threads, q);
+#endif
     float *act = NULL;
     int32_t *act_int = NULL;
     const int integer = job.fp4 && !VECTOR_BLOCKS;     /* fp4 blocks summed in int32 (no vector lanes) */
