@@ -19,8 +19,9 @@ from dsv41.model import Transformer
 from dsv41.model import native
 from dsv41.model.init import init_random_
 from dsv41.model.moe import RoutedExperts
-from dsv41.model.numerics import NATIVE_AMX_ROWS, NATIVE_FP32_FROM, NATIVE_GEMV_ROWS, NATIVE_WIDE_ROWS, Numerics
+from dsv41.model.numerics import HEAD_WIDEN_ROWS, NATIVE_AMX_ROWS, NATIVE_FP32_FROM, NATIVE_GEMV_ROWS, NATIVE_WIDE_ROWS, Numerics
 
+import helpers
 from test_native import mutated_library
 
 FAST, FAST_NATIVE = Numerics("fast", "blas"), Numerics("fast", "blas", native=True)
@@ -203,6 +204,31 @@ def test_with_amx_tiles_more_than_a_few_bf16_rows_go_to_torch(amx, monkeypatch):
         native_here = rows <= NATIVE_AMX_ROWS or not amx
         assert calls == (["linear", "routed_experts"] if native_here else [])
         assert (shared is not None) == native_here
+
+
+def test_fast_bf16_holds_the_head_in_bf16_and_widens_it_as_it_reads_it(monkeypatch):
+    # the reference holds the head in fp32; only fast bf16 with the native product keeps bf16 (half the
+    # bytes), and its logits are the fp32 head's within fp32 summation error, for a decode row natively
+    # and for many rows through the chunked widening
+    assert FAST_NATIVE.head_dtype(torch.bfloat16) == torch.bfloat16
+    for policy, dtype in ((FAST, torch.bfloat16), (FAST_NATIVE, torch.float32),
+                          (Numerics("reference", "invariant", native=True), torch.bfloat16)):
+        assert policy.head_dtype(dtype) == torch.float32
+    model = Transformer(helpers.nonbinding_config(), RuntimeConfig(numerics="fast"))
+    assert model.head.weight.dtype == torch.bfloat16
+    assert Transformer(helpers.nonbinding_config(), RuntimeConfig()).head.weight.dtype == torch.float32
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(HEAD_WIDEN_ROWS + 40, 64, generator=g).to(torch.bfloat16)
+    calls = []
+    real = native.linear
+    monkeypatch.setattr(native, "linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    for rows in (1, NATIVE_WIDE_ROWS + 1):
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        got = FAST_NATIVE.head_logits(x, w)
+        exact = x.double() @ w.double().t()
+        assert got.dtype == torch.float32 and got.shape == (rows, w.shape[0])
+        assert ((got.double() - exact).abs() <= product_bound(x[None], w[None])[0]).all()
+    assert calls == [(1, 64)]                     # the second call's rows went to the chunked widening
 
 
 def test_policy_construction():

@@ -156,9 +156,11 @@ def check_context(cfg: ModelConfig, context: int) -> None:
 
 # ---------------------------------------------------------------------------------------- building
 def meta_model(cfg: ModelConfig, runtime: RuntimeConfig):
-    """The model `runtime` would build, with no storage: every tensor's shape and dtype, no bytes."""
+    """The model `runtime` would build, with no storage: every tensor's shape and dtype, no bytes. Its
+    policy is the runtime's device's (what a model there holds depends on it: fast bf16 with the
+    native kernels keeps a bf16 head), its tensors are on the meta device."""
     from ..model import Transformer
-    return Transformer(cfg, replace(runtime, device="meta"), device="meta")
+    return Transformer(cfg, runtime, device="meta")
 
 
 def cache_bytes(cfg: ModelConfig, runtime: RuntimeConfig, model=None) -> int:

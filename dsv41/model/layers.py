@@ -224,17 +224,19 @@ class Embedding(nn.Module):
 
 
 class Head(nn.Module):
-    """Output projection [V, D] held in fp32 so logits come out in fp32 (§8, trap 20); under tensor
+    """Output projection [V, D] giving fp32 logits (§8, trap 20): held in fp32 as the reference holds it,
+    or (`Numerics.head_dtype`) in the checkpoint's bf16 and widened as it is read; under tensor
     parallelism each rank projects its vocabulary rows and the logits are all-gathered in rank order."""
 
-    def __init__(self, vocab_size: int, dim: int, *, numerics: Numerics, device=None, shard: Shard | None = None):
+    def __init__(self, vocab_size: int, dim: int, *, numerics: Numerics, device=None, shard: Shard | None = None,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         self.numerics, self.shard = numerics, shard
         rows = vocab_size if shard is None else shard.size(vocab_size)
-        self.weight = nn.Parameter(torch.empty(rows, dim, device=device, dtype=torch.float32), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(rows, dim, device=device, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.numerics.linear(x.float(), self.weight.float())
+        logits = self.numerics.head_logits(x, self.weight)
         if self.shard is None:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.shard.parts)]

@@ -105,6 +105,9 @@ NATIVE_FP32_FROM = 1 << 20
 NATIVE_MIX_ROWS = 1 << 12
 # Most positions whose RoPE and QDQ points run natively: the rotation matches torch's from 16 rows up.
 NATIVE_POSITIONS = 64
+# Vocabulary rows of a bf16 head widened to fp32 at a time where the native product does not take the
+# call (the logits of many rows): 84 MB of fp32 at the released dim, not the 2.6 GB of the whole head.
+HEAD_WIDEN_ROWS = 1 << 12
 # Most (token, expert) pairs fast numerics' native routed experts take in one call (a batch of
 # decode rows): past it a prefill's experts have enough rows each for the BLAS.
 NATIVE_EXPERT_PAIRS = 128
@@ -316,6 +319,28 @@ class Numerics:
             if out is not None:
                 return out
         return self.linear(x, weight.float())
+
+    def head_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """What the output head holds its weight in: fp32 as the reference holds it (reference/blas
+        reproduces its fp32 GEMM; trap 20), except for fast bf16 with the native kernels, which keeps the
+        checkpoint's bf16 and widens it exactly as the native product reads it (`head_logits`): half the
+        head's bytes in memory and in every decode step. Elsewhere a bf16 head would be widened by
+        torch, a copy per call: more traffic than the fp32 weight."""
+        return torch.bfloat16 if self.native and not self.quantized and dtype == torch.bfloat16 else torch.float32
+
+    def head_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of x [..., D] against the head's weight [V, D], fp32 or bf16 (then widened, exactly:
+        natively as it is read for a few rows, else HEAD_WIDEN_ROWS vocabulary rows at a time, so no fp32
+        copy of the whole head is made per call)."""
+        x = x.float()
+        if weight.dtype == torch.float32:
+            return self.linear(x, weight)
+        if self._native_product(x, weight, widening=True):
+            out = native.linear(x, weight, exact=self.invariant)
+            if out is not None:
+                return out
+        return torch.cat([self.linear(x, weight[i:i + HEAD_WIDEN_ROWS].float())
+                          for i in range(0, weight.shape[0], HEAD_WIDEN_ROWS)], dim=-1)
 
     def matmul_into(self, x: torch.Tensor, weight_t: torch.Tensor, out: torch.Tensor) -> None:
         """`linear` of x [m, K] with a transposed weight [K, N], written into out [m, N] (rows of a larger

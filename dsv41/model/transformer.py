@@ -59,7 +59,8 @@ class Transformer(nn.Module):
         blocks = dict(kw, indexer_budget_bytes=self.runtime.indexer_budget_bytes, parallel=parallel)
         self.layers = nn.ModuleList(Block(cfg, r, **blocks) for r in self.roles[:cfg.n_layers])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=numerics, device=device)
-        self.head = Head(cfg.vocab_size, cfg.dim, numerics=numerics, device=device, shard=parallel.shard("head"))
+        self.head = Head(cfg.vocab_size, cfg.dim, numerics=numerics, device=device, shard=parallel.shard("head"),
+                         dtype=numerics.head_dtype(dtype))
         if cfg.dspark_enabled:
             # DSpark stages, stored under mtp.* (docs/ARCHITECTURE.md §15); embedding and head are tied
             self.mtp = nn.ModuleList(DSparkStage(cfg, r, **blocks) for r in self.roles[cfg.n_layers:])
