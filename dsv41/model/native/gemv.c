@@ -281,7 +281,7 @@ int dsv41_gemv_wide(int bf16) {
 }
 
 /* 1 where this build targets a CPU with AMX bf16 tiles (N24): there torch's oneDNN GEMM multiplies bf16
- * in them, and from about 16 rows it outruns the dot products above. */
+ * in them, and from about 8 rows it outruns the dot products above. */
 int dsv41_amx_bf16(void) {
 #if defined(__AMX_BF16__)
     return 1;
