@@ -523,15 +523,21 @@ int dsv41_quantized_linear(int64_t P, int64_t M, int64_t N, int64_t K, int fp4, 
         return -1;
     }
     float *qs = xf + n;
-    for (int64_t i = 0; i < n; i++) {
-        if (x_bf16) {
-            union { uint32_t bits; float value; } v = {(uint32_t)((const uint16_t *)x)[i] << 16};
-            xf[i] = v.value;
-        } else {
-            xf[i] = ((const float *)x)[i];
+    /* rows quantise on their own (the same bytes split any way): a prefill's rows over the threads */
+    #pragma omp parallel num_threads(threads) if (threads > 1 && P * M >= TILED_FROM)
+    {
+        const Span span = thread_span(P * M);
+        for (int64_t i = span.begin * K; i < span.end * K; i++) {
+            if (x_bf16) {
+                union { uint32_t bits; float value; } v = {(uint32_t)((const uint16_t *)x)[i] << 16};
+                xf[i] = v.value;
+            } else {
+                xf[i] = ((const float *)x)[i];
+            }
         }
+        dsv41_fp8_act_quant(span.end - span.begin, K, xf + span.begin * K, floor, inv_max, q + span.begin * K,
+                            qs + span.begin * (K / BLOCK));
     }
-    dsv41_fp8_act_quant(P * M, K, xf, floor, inv_max, q, qs);
     const Job job = {M, N, K, 0, 0, fp4, qs, w, NULL, ws8, rg, cg, NULL, NULL, e4m3, e2m1_int, NULL, out};
     const int status = run(job, P, threads, q, e4m3_int);
     free(xf);
