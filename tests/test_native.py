@@ -21,7 +21,8 @@ from dsv41.model.numerics import NATIVE_MIX_ROWS, Numerics
 
 TORCH, NATIVE = Numerics("reference", "invariant"), Numerics("reference", "invariant", native=True)
 # Row counts that reach every path of blockgemm.c: the row kernel (1–7), register tiles of 6 rows with
-# each tail (8–13), and chunks of 256 rows ending in a partial one (263).
+# each tail (8–13) or, with AVX-512, row vectors in groups of 24 with a 16- or 8-row tail (8–13, 24, 37),
+# and chunks of 256 rows ending in a partial one (263).
 ROW_COUNTS = (*range(1, 14), 24, 37, 263)
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here: the torch path runs instead")

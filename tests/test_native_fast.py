@@ -229,6 +229,11 @@ def test_fast_bf16_holds_the_head_in_bf16_and_widens_it_as_it_reads_it(monkeypat
         assert got.dtype == torch.float32 and got.shape == (rows, w.shape[0])
         assert ((got.double() - exact).abs() <= product_bound(x[None], w[None])[0]).all()
     assert calls == [(1, 64)]                     # the second call's rows went to the chunked widening
+    # a decode row through a head-sized bf16 weight gives the fp32 head's bits: the widening is exact
+    # and both run the same native product
+    w = torch.randn(NATIVE_FP32_FROM // 64, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(1, 64, generator=g).to(torch.bfloat16)
+    assert torch.equal(FAST_NATIVE.head_logits(x, w), FAST_NATIVE.head_logits(x, w.float()))
 
 
 def test_policy_construction():

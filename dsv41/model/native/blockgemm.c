@@ -195,7 +195,8 @@ static void run_rows(const Job *job) {
     }
 }
 
-/* Many rows (a prefill's GEMMs): tiles of TILE_COLS output columns, whose weight block is decoded
+/* Many rows (a prefill's GEMMs) without AVX-512 (with it, `run_columns` below, N25): tiles of TILE_COLS
+ * output columns, whose weight block is decoded
  * once into doubles laid out [j][column] and swept down TILE_ROWS activation rows at a time. A block's
  * 32 products are exact in double, and so is their sum (the bounds above, for fp8 and fp4 alike), so
  * fused multiply-adds in this order give the same S as the row kernels; the fp32 steps after it are
