@@ -521,6 +521,64 @@ def test_a_mutated_hc_mixes_kernel_is_caught(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_sublayer_entry_is_one_native_call_with_the_bits_of_four(dtype):
+    """block.py `Block._enter` in one call (mixes.c `dsv41_hc_enter`): the previous output expanded into
+    the streams, their mixes, and the normed collapse with the previous mixes' pre (trap 1), each part
+    bit-equal to its own native call; without an output, the streams are the input."""
+    from dsv41.model import hyper
+    from dsv41.model.layers import RMSNorm
+    g = torch.Generator().manual_seed(26)
+    S, D, iters = 4, 200, 20
+    x = (torch.randn(1, 5, S, D, generator=g) * 3).to(dtype)
+    out = (torch.randn(1, 5, D, generator=g) * 2).to(dtype)
+    fn = torch.randn((2 + S) * S, S * D, generator=g) / math.sqrt(S * D)
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + S) * S, generator=g) * 0.1
+    pre, post, comb = hyper.mixes(x, fn.flip(0), scale, base, iters=iters, norm_eps=1e-6, hc_eps=1e-6,
+                                  numerics=FAST_NATIVE)
+    norm = RMSNorm(D, 1e-6, numerics=FAST_NATIVE, dtype=dtype)
+    norm.weight.data = (torch.rand(D, generator=g) + 0.5).to(dtype)
+    for given in (out, None):
+        got = FAST_NATIVE.hc_enter(x, pre, fn, scale, base, iters, 1e-6, 1e-6, norm.weight, norm.eps,
+                                   given, post, comb)
+        streams = x if given is None else hyper.expand(given, x, post, comb, FAST_NATIVE)
+        want = (streams, hyper.mixes(streams, fn, scale, base, iters=iters, norm_eps=1e-6, hc_eps=1e-6,
+                                     numerics=FAST_NATIVE), norm(hyper.collapse(streams, pre, FAST_NATIVE)))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+        assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    assert FAST.hc_enter(x, pre, fn, scale, base, iters, 1e-6, 1e-6, norm.weight, norm.eps) is None
+    many = x[:, :1].expand(1, 65, S, D)                                         # past the norm's rows
+    assert FAST_NATIVE.hc_enter(many, pre[:, :1].expand(1, 65, S), fn, scale, base, iters, 1e-6, 1e-6,
+                                norm.weight, norm.eps) is None
+
+
+def test_a_model_enters_each_sublayer_of_a_decode_step_in_one_call(monkeypatch):
+    from helpers import MAX_SEQ, binding_config, token_ids, without_dspark
+    runtime = RuntimeConfig(max_seq_len=2 * MAX_SEQ, numerics="fast", dtype="bfloat16", kernels="blas")
+    model = init_random_(Transformer(without_dspark(binding_config()), runtime), 0)
+    ids = token_ids(1, 80, model.cfg.vocab_size)
+    calls = []
+    real = native.hc_enter
+    monkeypatch.setattr(native, "hc_enter", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    cache = model.new_cache(1, 2 * MAX_SEQ)
+    with torch.no_grad():
+        model(ids[:, :79], 0, cache)                                            # 79 rows: the layers' calls
+        assert calls == []
+        model(ids[:, 79:], 79, cache)
+    assert calls == [1] * (2 * model.cfg.n_layers)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("dsv41_hc_collapse(rows, S, D, bf16, x, pre, h);", "dsv41_hc_collapse(rows, S, D, bf16, x, pre_out, h);"),
+    ("        x = streams;\n    }", "    }"),                                    # the streams before the output
+])
+def test_a_mutated_sublayer_entry_is_caught(old, new, tmp_path, monkeypatch):
+    lib = mutated_library("mixes.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_a_sublayer_entry_is_one_native_call_with_the_bits_of_four(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_shared_expert_of_a_decode_step_is_one_native_call(dtype, monkeypatch):
     """The shared expert's few rows go through the routed-experts kernel (every row on expert 0 at
     weight 1) and give the torch path's result up to its roundings' last bits; many rows keep torch."""
@@ -625,6 +683,48 @@ def test_a_shared_expert_that_overwrites_the_routed_sum_is_caught(tmp_path, monk
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         test_the_shared_expert_adds_onto_the_routed_sum_in_the_call(torch.float32, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_shared_expert_joins_the_routed_call_with_the_bits_of_two(dtype, monkeypatch):
+    """MoE's routed sum and its shared expert in one native call (the shared expert as one more expert,
+    added last): the bits of the routed call followed by the shared one accumulating into it, and one
+    call instead of two; rows past the AMX cut-off (bf16 there) or in another dtype keep two calls."""
+    from dsv41.model.moe import MoE
+    g = torch.Generator().manual_seed(25)
+    moe = MoE(64, 32, 8, 3, 1.5, 2.0, "bf16", vision=False, dense_storage="bf16", numerics=FAST_NATIVE, dtype=dtype)
+    for p in moe.parameters():
+        p.data = (torch.randn(p.shape, generator=g) / 4).to(p.dtype)
+    x = (torch.randn(1, 5, 64, generator=g) * 3).to(dtype)
+    flat = x.flatten(0, 1)
+    weights, ids = moe.route(flat)
+    with torch.no_grad():
+        want = moe.shared_experts.added_to(moe.experts(flat, weights, ids), flat).to(dtype).view_as(x)
+        calls = []
+        real = native.routed_experts
+        monkeypatch.setattr(native, "routed_experts", lambda *a, **k: calls.append(k.get("shared")) or real(*a, **k))
+        got, chosen = moe.routed(x)
+    assert torch.equal(chosen, ids) and len(calls) == 1 and calls[0] is not None
+    assert torch.equal(got, want)
+    assert not torch.equal(got, moe.experts(flat, weights, ids).to(dtype).view_as(x))   # the shared part counts
+    monkeypatch.setattr(native, "amx_products", lambda: True)
+    many = x.repeat(1, 2, 1)                                                    # 10 rows
+    calls.clear()
+    with torch.no_grad():
+        moe.routed(many)
+    # bf16 on AMX: the routed call alone (the shared expert's 10 rows go to oneDNN); fp32: one call
+    assert [c is None for c in calls] == [dtype == torch.bfloat16]
+
+
+@pytest.mark.parametrize("old, new", [
+    ("weights != NULL && at >= 0 ? weights[at] : 1.0f", "weights != NULL ? weights[at >= 0 ? at : 0] : 1.0f"),
+    ("return e == E ? s :", "return e == E ? w :"),                             # expert 0's weights instead
+])
+def test_a_mutated_shared_pair_is_caught(old, new, tmp_path, monkeypatch):
+    lib = mutated_library("gemv.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_the_shared_expert_joins_the_routed_call_with_the_bits_of_two(torch.float32, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

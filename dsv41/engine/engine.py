@@ -139,7 +139,7 @@ class Engine:
         return ends
 
     # ---------------------------------------------------------------------------------- one step
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[StreamEvent]:
         """Admit, run one forward over every running row, sample, retire; → the events it produced."""
         t0 = time.perf_counter()

@@ -64,11 +64,25 @@ class Block(nn.Module):
     def run(self, x: torch.Tensor, pre: torch.Tensor, attend, feed_forward) -> tuple[torch.Tensor, torch.Tensor]:
         """The block around its two sublayers, given as functions of their normed input: the cached
         inference forward passes its attention over the cache, training (dsv41/training) a cache-free one."""
-        pre_attn, post, comb = self._mixes(x, "attn")
-        x = hyper.expand(attend(self.attn_norm(hyper.collapse(x, pre, self.numerics))), x, post, comb, self.numerics)
-        pre_ffn, post, comb = self._mixes(x, "ffn")
-        m = feed_forward(self.ffn_norm(hyper.collapse(x, pre_attn, self.numerics)))
-        return hyper.expand(m, x, post, comb, self.numerics), pre_ffn
+        x, (pre_attn, post, comb), h = self._enter(x, pre, "attn")
+        x, (pre_ffn, post, comb), h = self._enter(x, pre_attn, "ffn", attend(h), post, comb)
+        return hyper.expand(feed_forward(h), x, post, comb, self.numerics), pre_ffn
+
+    def _enter(self, x: torch.Tensor, pre: torch.Tensor, sub: str, out: torch.Tensor | None = None,
+               post: torch.Tensor | None = None, comb: torch.Tensor | None = None):
+        """Into sublayer `sub`: the streams x [1, N, S, D] (with `out`, the previous sublayer's output
+        expanded into them first, with its post and comb) → (the streams, this sublayer's mixes (pre, post,
+        comb), its normed input [1, N, D] from the previous mixes' `pre`, trap 1). A decode step's rows take
+        one native call for the four (`Numerics.hc_enter`)."""
+        norm = getattr(self, f"{sub}_norm")
+        fused = self.numerics.hc_enter(x, pre, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
+                                       getattr(self, f"hc_{sub}_base"), self.hc_iters, self.norm_eps, self.hc_eps,
+                                       norm.weight, norm.eps, out, post, comb)
+        if fused is not None:
+            return fused
+        if out is not None:
+            x = hyper.expand(out, x, post, comb, self.numerics)
+        return x, self._mixes(x, sub), norm(hyper.collapse(x, pre, self.numerics))
 
 
 def _fp32_param(shape: tuple[int, ...], device) -> nn.Parameter:

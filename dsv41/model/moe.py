@@ -181,6 +181,15 @@ class RoutedExperts(nn.Module):
         out = out.float()
         return torch.zeros(n, x.shape[1], device=x.device, dtype=out.dtype).index_add_(0, token, out)
 
+    def with_shared(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: Expert) -> torch.Tensor | None:
+        """`forward` plus the shared expert's output, fp32 [n, D] (MoE's `shared.added_to(forward(…), x)`,
+        the same bits), in one native call where the policy takes both; else None."""
+        if shared.w1.quantized or shared.swiglu_limit != self.swiglu_limit:
+            return None
+        held = (shared.w1.weight, shared.w3.weight, shared.w2.weight)
+        return self.numerics.routed_experts(x, ids, weights, self.w1.weight, self.w3.weight, self.w2.weight,
+                                            self.swiglu_limit, shared=held)
+
     def _finish(self, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # the routing weight multiplies before w2, so it passes through w2's activation QDQ (trap 17)
         return (swiglu(gate, up, self.swiglu_limit, self.numerics) * w.unsqueeze(-1)).to(dtype)
@@ -302,10 +311,13 @@ class MoE(nn.Module):
         weights, chosen = self.route(flat, None if image_mask is None else image_mask.flatten())
         lo, hi = self.expert_range
         ids = torch.where((chosen >= lo) & (chosen < hi), chosen - lo, -1) if self.experts.partial else chosen
-        y = self.experts(flat, weights, ids)                                  # fp32 [n, D]
-        if self.experts_parallel:
-            dist.all_reduce(y, group=self.experts_group)                       # in fp32, as the reference (§13)
-        y = self.shared_experts.added_to(y, flat)
+        # one native call for both where it takes them; under EP the shared expert adds after the all-reduce
+        y = None if self.experts_parallel else self.experts.with_shared(flat, weights, ids, self.shared_experts)
+        if y is None:
+            y = self.experts(flat, weights, ids)                              # fp32 [n, D]
+            if self.experts_parallel:
+                dist.all_reduce(y, group=self.experts_group)                   # in fp32, as the reference (§13)
+            y = self.shared_experts.added_to(y, flat)
         return y.to(x.dtype).view_as(x), chosen
 
 

@@ -427,16 +427,29 @@ class Numerics:
 
     def routed_experts(self, x: torch.Tensor, ids: torch.Tensor | None, weights: torch.Tensor | None,
                        w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
-                       into: torch.Tensor | None = None) -> torch.Tensor | None:
+                       into: torch.Tensor | None = None,
+                       shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Fast numerics' native routed experts of a few tokens (moe.py `RoutedExperts`, held banks):
         fp32 [n, D] (added into `into` when given; ids None: every token on expert 0, `native.routed_experts`),
-        or None where the policy leaves them to the layer's torch path."""
+        or None where the policy leaves them to the layer's torch path. `shared` (the shared expert's held
+        w1, w3, w2): its output added in the same call, where `dense_swiglu` would take it (x in the
+        weights' dtype, few rows), else None: the layer adds it itself."""
         pairs = x.shape[0] if ids is None else ids.numel()
         if not (self.native and not self.quantized and x.device.type == "cpu" and pairs <= NATIVE_EXPERT_PAIRS):
             return None
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weights, w1, w3, w2)):
             return None
-        return native.routed_experts(x, ids, weights, w1, w3, w2, limit, into=into)
+        if shared is not None and not self._shared_rows(x, shared[0]):
+            return None
+        return native.routed_experts(x, ids, weights, w1, w3, w2, limit, into=into, shared=shared)
+
+    def _shared_rows(self, x: torch.Tensor, w1: torch.Tensor) -> bool:
+        """Whether the native kernel takes the shared expert of x's rows: few of them, in the weight's
+        dtype, and (bf16) not more than AMX tiles outrun (N24); else the layer's torch products."""
+        rows = x.shape[:-1].numel()
+        if rows > NATIVE_EXPERT_PAIRS or x.dtype != w1.dtype or w1.requires_grad and torch.is_grad_enabled():
+            return False
+        return not (x.dtype == torch.bfloat16 and rows > NATIVE_AMX_ROWS and native.amx_products())
 
     def route(self, logits: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float, eps: float,
               bias_vl: torch.Tensor | None, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -457,11 +470,9 @@ class Numerics:
         projections, the hidden and the output to the weights' dtype) instead of ~14 torch operations.
         `into` (fp32, x's rows): the rounded output is added to it in the call, in place (the layer's
         `into + out.float()`, the same bits), and returned. None where the policy leaves it to the layer."""
+        if not self._shared_rows(x, w1):
+            return None                                     # many rows, or a prefill's on AMX tiles (N24)
         rows = x.shape[:-1].numel()
-        if rows > NATIVE_EXPERT_PAIRS or x.dtype != w1.dtype:
-            return None
-        if x.dtype == torch.bfloat16 and rows > NATIVE_AMX_ROWS and native.amx_products():
-            return None                                     # a prefill's rows: oneDNN's AMX tiles (N24)
         flat = x.reshape(rows, -1)                                                  # 2-d banks: one expert
         if into is not None:
             added = self.routed_experts(flat, None, None, w1, w3, w2, limit, into=into.view(rows, -1))
@@ -502,6 +513,18 @@ class Numerics:
         if not self._native_mix(residual, out, post, comb):
             return None
         return native.hc_expand(out, residual, post, comb)
+
+    def hc_enter(self, x: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                 iters: int, norm_eps: float, hc_eps: float, norm_weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None, post: torch.Tensor | None = None, comb: torch.Tensor | None = None):
+        """block.py `Block._enter` (`hc_expand` of `out` when given, then `hc_mixes` and `rms_norm` of
+        `hc_collapse`) in one native call where the policy would take each of the four natively: the
+        same bits. None where it leaves any of them to torch; then the block makes them one by one."""
+        if self.invariant or not self._native_mix(x, pre, fn, scale, base, *(() if out is None else (out, post, comb))):
+            return None
+        if x.shape[:-2].numel() > NATIVE_POSITIONS or torch.is_grad_enabled() and norm_weight.requires_grad:
+            return None
+        return native.hc_enter(x, pre, fn, scale, base, iters, norm_eps, hc_eps, norm_weight, eps, out, post, comb)
 
     def rope(self, x: torch.Tensor, phases: torch.Tensor, inverse: bool = False) -> torch.Tensor | None:
         """rope.py `Rotary.rotate` of at most `NATIVE_POSITIONS` positions in one native call, with its

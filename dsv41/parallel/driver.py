@@ -418,7 +418,7 @@ class _Follower:
             except _Interrupted as interrupted:
                 message = interrupted.message
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _execute(self, message: tuple) -> None:
         """Run one command. An input error is rank 0's too (it ran the same call), so it is left to rank 0
         to report; anything else stops this rank, which rank 0 then sees as a lost peer."""

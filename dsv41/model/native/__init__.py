@@ -141,6 +141,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_hc_collapse.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.dsv41_hc_expand.restype = None
     lib.dsv41_hc_expand.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 5
+    lib.dsv41_hc_enter.restype = ctypes.c_int
+    lib.dsv41_hc_enter.argtypes = ([ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int64]
+                                   + [ctypes.c_float] * 2 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                                             ctypes.c_float] + [ctypes.c_void_p] * 4)
     lib.dsv41_rope.restype = None
     lib.dsv41_rope.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3
     lib.dsv41_gemv_exact_kn.restype = ctypes.c_int
@@ -164,7 +168,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_index_scores.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
     experts = lib.dsv41_routed_experts
     experts.restype = ctypes.c_int
-    experts.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 6
+    experts.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 9
                         + [ctypes.c_int, ctypes.c_void_p])
     return lib
 
@@ -442,14 +446,18 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> 
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor | None, weights: torch.Tensor | None, w1: torch.Tensor,
-                   w3: torch.Tensor, w2: torch.Tensor, limit: float, into: torch.Tensor | None = None) -> torch.Tensor | None:
+                   w3: torch.Tensor, w2: torch.Tensor, limit: float, into: torch.Tensor | None = None,
+                   shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """Σ over each token's chosen experts of w2 · (SwiGLU(w1 · x, w3 · x) · weight), fp32 [n, D], for CPU
     tensors: x [n, D], ids [n, A] (negative: not this rank's), weights [n, A], banks w1, w3 [E, I, D] and
     w2 [E, D, I] of one dtype (bf16 or fp32), held contiguous (2-d: one expert). ids and weights None:
     every token through expert 0 at weight 1. `into` (fp32 [n, D], contiguous): the sum is added to it,
-    in place, and it is returned. None where the kernel is not available or does not take the call."""
+    in place, and it is returned. `shared` (w1, w3 [I, D], w2 [D, I] in the banks' dtype, contiguous): the
+    shared expert too, every token at weight 1, added after its routed experts (moe.py's order). None
+    where the kernel is not available or does not take the call."""
     lib = _library()
-    if lib is None or not all(w.is_contiguous() and w.dtype == w1.dtype for w in (w1, w3, w2)):
+    banks = (w1, w3, w2) if shared is None else (w1, w3, w2, *shared)
+    if lib is None or not all(w.is_contiguous() and w.dtype == w1.dtype for w in banks):
         return None
     if w1.dtype not in (torch.bfloat16, torch.float32):
         return None
@@ -457,15 +465,20 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor | None, weights: torch.Ten
         return None
     x = x.contiguous() if x.dtype in (torch.bfloat16, torch.float32) else x.float().contiguous()
     n, (E, I, D) = x.shape[0], (w1.shape if w1.dim() == 3 else (1, *w1.shape))
-    A, ids_ptr, weights_ptr = 1, None, None
+    A, ids_ptr, weights_ptr, shared_ptrs = 1, None, None, (None, None, None)
     if ids is not None:
         ids, weights = ids.to(torch.int64).contiguous(), weights.float().contiguous()
         A, ids_ptr, weights_ptr = ids.shape[1], ids.data_ptr(), weights.data_ptr()
+    if shared is not None:
+        if ids is None or [tuple(w.shape) for w in shared] != [(I, D), (I, D), (D, I)]:
+            return None
+        shared_ptrs = tuple(w.data_ptr() for w in shared)
     out = torch.empty(n, D, dtype=torch.float32) if into is None else into
     threads = torch.get_num_threads() if n * A * I * D >= GEMV_THREAD_FROM else 1
     status = lib.dsv41_routed_experts(n, A, E, D, I, w1.dtype == torch.bfloat16, x.dtype == torch.bfloat16,
                                       limit, threads, x.data_ptr(), ids_ptr, weights_ptr,
-                                      w1.data_ptr(), w3.data_ptr(), w2.data_ptr(), into is not None, out.data_ptr())
+                                      w1.data_ptr(), w3.data_ptr(), w2.data_ptr(), *shared_ptrs,
+                                      into is not None, out.data_ptr())
     return out if status == 0 else None
 
 
@@ -534,6 +547,38 @@ def hc_expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, com
     lib.dsv41_hc_expand(post.numel() // S, S, D, out.dtype == torch.bfloat16, out.data_ptr(), residual.data_ptr(),
                         post.data_ptr(), comb.data_ptr(), streams.data_ptr())
     return streams
+
+
+def hc_enter(x: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+             iters: int, norm_eps: float, hc_eps: float, norm_weight: torch.Tensor, eps: float,
+             out: torch.Tensor | None = None, post: torch.Tensor | None = None, comb: torch.Tensor | None = None):
+    """A sublayer's entry in one call (mixes.c `dsv41_hc_enter`): with `out` [..., D] (and the previous
+    mixes' post, comb), `hc_expand(out, x, post, comb)` first; then `hc_mixes` of the streams and
+    `rms_norm(hc_collapse(streams, pre), norm_weight, eps)`, with those functions' bits → (streams
+    [..., S, D], (pre, post, comb) of this sublayer, h [..., D]). None where a part would decline."""
+    lib = _library()
+    if lib is None or x.dtype not in _GEMV_DTYPES or fn.dtype != torch.float32 or norm_weight.dtype not in _GEMV_DTYPES:
+        return None
+    lead, (S, D) = x.shape[:-2], x.shape[-2:]
+    if D > 1 << 16 or (out is not None and out.dtype != x.dtype):
+        return None
+    x, fn, pre = x.contiguous(), fn.contiguous(), pre.float().contiguous()
+    scale, base, norm_weight = scale.float().contiguous(), base.float().contiguous(), norm_weight.contiguous()
+    streams, o_ptr, post_ptr, comb_ptr = x, None, None, None
+    if out is not None:
+        out, post, comb = out.contiguous(), post.float().contiguous(), comb.float().contiguous()
+        streams = torch.empty_like(x)
+        o_ptr, post_ptr, comb_ptr = out.data_ptr(), post.data_ptr(), comb.data_ptr()
+    pre_next, post_next, comb_next = torch.empty(*lead, S), torch.empty(*lead, S), torch.empty(*lead, S, S)
+    h = x.new_empty(*lead, D)
+    rows = lead.numel()
+    threads = torch.get_num_threads() if rows * fn.numel() >= GEMV_THREAD_FROM else 1
+    status = lib.dsv41_hc_enter(rows, S, D, x.dtype == torch.bfloat16, o_ptr, x.data_ptr(), post_ptr, comb_ptr,
+                                streams.data_ptr(), fn.data_ptr(), scale.data_ptr(), base.data_ptr(), iters, norm_eps,
+                                hc_eps, threads, pre.data_ptr(), norm_weight.data_ptr(),
+                                norm_weight.dtype == torch.bfloat16, eps, pre_next.data_ptr(), post_next.data_ptr(),
+                                comb_next.data_ptr(), h.data_ptr())
+    return (streams, (pre_next, post_next, comb_next), h) if status == 0 else None
 
 
 def rope(x: torch.Tensor, phases: torch.Tensor, inverse: bool = False) -> torch.Tensor | None:

@@ -468,8 +468,10 @@ int dsv41_gemv_exact_kn(int64_t P, int64_t M, int64_t N, int64_t K, int threads,
  * the hidden h = silu(min(g, limit)) · clamp(u, ±limit) · weight (limit ≤ 0: no clamp) and each pair's
  * output round to the banks' dtype; the products sum in this kernel's own order. With `accumulate` the
  * pairs' outputs add to what `out` holds (the shared expert onto the routed sum, the order the layer
- * adds them in) instead of to zero. Pairs of one expert
- * run together, up to MAX_ROWS at a time, so each chosen expert's weights are read once.
+ * adds them in) instead of to zero. s1, s3 [I, D] and s2 [D, I] (NULL: none): the shared expert, in the
+ * banks' dtype, as one more expert after the last: every token through it at weight 1, its output added
+ * after the token's routed ones (moe.py's `y + shared`, the same bits as a second call accumulating).
+ * Pairs of one expert run together, up to MAX_ROWS at a time, so each chosen expert's weights are read once.
  * Returns 0, or -1 (an id of E or more, or an allocation failed; `out` untouched).
  */
 /* Rows j0 … j0 + TILE − 1 (those below `rows`) of one expert's weight `w` [rows, K] against the m ≤ MAX_ROWS
@@ -501,11 +503,23 @@ static void expert_tile(int dot, const void *xs, int64_t m, int64_t K, const voi
     }
 }
 
+/* A pair's token: routed pairs hold t · A + a (their routing weight's index), the shared expert's −1 − t. */
+static inline int64_t pair_token(int64_t at, int64_t A) {
+    return at >= 0 ? at / A : -1 - at;
+}
+
+/* Expert e's matrix (`size` values) in bank w [E, …], or the shared expert's s for e = E. */
+static inline const void *expert_weight(const void *w, const void *s, int64_t e, int64_t E, int64_t size, size_t ww) {
+    return e == E ? s : (const void *)((const char *)w + (size_t)(e * size) * ww);
+}
+
 int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, int w_bf16, int x_bf16, float limit, int threads,
                          const void *x, const int64_t *ids, const float *weights,
-                         const void *w1, const void *w3, const void *w2, int accumulate, float *out) {
-    const int64_t pairs_max = n * A;
-    for (int64_t q = 0; q < pairs_max; q++)
+                         const void *w1, const void *w3, const void *w2, const void *s1, const void *s3,
+                         const void *s2, int accumulate, float *out) {
+    const int shared = s1 != NULL;
+    const int64_t pairs_max = n * A + (shared ? n : 0);
+    for (int64_t q = 0; q < n * A; q++)
         if (ids != NULL && ids[q] >= E) return -1;
 #if defined(__AVX512BF16__)
     const int dot = w_bf16 && x_bf16;      /* h rounds to bf16 anyway, so the down projection's operand is exact */
@@ -535,6 +549,11 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
             pair[2 * j] = e;
             pair[2 * j + 1] = t * A + a;
         }
+    for (int64_t t = 0; shared && t < n; t++) {         /* expert E sorts last: the shared one */
+        pair[2 * P] = E;
+        pair[2 * P + 1] = -1 - t;
+        P++;
+    }
     int64_t G = 0;
     for (int64_t p = 0; p < P; p++)
         if (p == 0 || pair[2 * p] != pair[2 * (p - 1)] || p - group[G - 1] == MAX_ROWS) group[G++] = p;
@@ -542,7 +561,7 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
     float *up = gate + P * I, *y = up + P * I;
     char *hg = (char *)xg + (size_t)(P * D) * xw;
     for (int64_t p = 0; p < P; p++) {
-        const int64_t t = pair[2 * p + 1] / A;
+        const int64_t t = pair_token(pair[2 * p + 1], A);
         if (dot) memcpy((uint16_t *)xg + p * D, (const uint16_t *)x + t * D, (size_t)D * 2);
         else for (int64_t d = 0; d < D; d++) ((float *)xg)[p * D + d] = value_at(x, x_bf16, t * D + d);
     }
@@ -554,10 +573,10 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
         for (int64_t r = 0; r < G * I_tiles; r++) {          /* gate and up: TILE rows of w1 and w3 */
             const int64_t g = r / I_tiles, i0 = (r % I_tiles) * TILE, p0 = group[g], m = group[g + 1] - p0, e = pair[2 * p0];
             const void *xs = (const char *)xg + (size_t)(p0 * D) * xw;
-            expert_tile(dot, xs, m, D, (const char *)w1 + (size_t)(e * I * D) * ww, i0, I, w_bf16, acc);
+            expert_tile(dot, xs, m, D, expert_weight(w1, s1, e, E, I * D, ww), i0, I, w_bf16, acc);
             for (int64_t k = 0; k < m; k++)
                 for (int64_t j = 0; j < TILE && i0 + j < I; j++) gate[(p0 + k) * I + i0 + j] = round_to(acc[k][j], w_bf16);
-            expert_tile(dot, xs, m, D, (const char *)w3 + (size_t)(e * I * D) * ww, i0, I, w_bf16, acc);
+            expert_tile(dot, xs, m, D, expert_weight(w3, s3, e, E, I * D, ww), i0, I, w_bf16, acc);
             for (int64_t k = 0; k < m; k++)
                 for (int64_t j = 0; j < TILE && i0 + j < I; j++) up[(p0 + k) * I + i0 + j] = round_to(acc[k][j], w_bf16);
         }
@@ -569,14 +588,15 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
                 u = u < -limit ? -limit : (u > limit ? limit : u);
             }
             const float silu = g / (1.0f + expf(-g));
-            const float h = round_to(silu * u * (weights != NULL ? weights[pair[2 * (q / I) + 1]] : 1.0f), w_bf16);
+            const int64_t at = pair[2 * (q / I) + 1];
+            const float h = round_to(silu * u * (weights != NULL && at >= 0 ? weights[at] : 1.0f), w_bf16);
             if (dot) ((uint16_t *)hg)[q] = float_to_bf16(h);
             else ((float *)hg)[q] = h;
         }
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < G * D_tiles; r++) {          /* down: TILE rows of w2 */
             const int64_t g = r / D_tiles, d0 = (r % D_tiles) * TILE, p0 = group[g], m = group[g + 1] - p0, e = pair[2 * p0];
-            expert_tile(dot, hg + (size_t)(p0 * I) * xw, m, I, (const char *)w2 + (size_t)(e * D * I) * ww, d0, D, w_bf16, acc);
+            expert_tile(dot, hg + (size_t)(p0 * I) * xw, m, I, expert_weight(w2, s2, e, E, D * I, ww), d0, D, w_bf16, acc);
             for (int64_t k = 0; k < m; k++)
                 for (int64_t j = 0; j < TILE && d0 + j < D; j++) y[(p0 + k) * D + d0 + j] = round_to(acc[k][j], w_bf16);
         }
@@ -584,7 +604,7 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
         for (int64_t d = 0; d < D; d++) {                    /* Σ per token, experts ascending */
             if (!accumulate)
                 for (int64_t t = 0; t < n; t++) out[t * D + d] = 0.0f;
-            for (int64_t p = 0; p < P; p++) out[(pair[2 * p + 1] / A) * D + d] += y[p * D + d];
+            for (int64_t p = 0; p < P; p++) out[pair_token(pair[2 * p + 1], A) * D + d] += y[p * D + d];
         }
     }
     free(pair); free(group); free(gate); free(xg);

@@ -162,3 +162,31 @@ int dsv41_hc_mixes(int64_t rows, int64_t S, int64_t D, int bf16, const void *x, 
     free(flat); free(m); free(inv);
     return status;
 }
+
+void dsv41_rms_norm(int64_t rows, int64_t D, float eps, const void *x, int x_bf16, const void *w, int w_bf16,
+                    void *out);
+
+/* A sublayer's entry for a decode step's rows (block.py `Block._enter`): with `o` (not NULL) the previous
+ * sublayer's output first expands into the streams (`dsv41_hc_expand` of o and `residual` with post and
+ * comb, into `streams`), else `residual` is the streams; then their mixes for this sublayer
+ * (`dsv41_hc_mixes` → pre_out, post_out, comb_out) and its normed input h = RMSNorm(collapse(streams,
+ * pre)) (`dsv41_hc_collapse`, then `dsv41_rms_norm` in place): the four calls the layers make one by
+ * one, in their order, so the same bits, for one call's fixed cost instead of four. Returns 0, or -1
+ * (the mixes could not run; h and the mixes' outputs untouched). */
+int dsv41_hc_enter(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
+                   const float *post, const float *comb, void *streams, const float *fn, const float *scale,
+                   const float *base, int64_t iters, float norm_eps, float hc_eps, int threads, const float *pre,
+                   const void *norm_weight, int norm_bf16, float eps, float *pre_out, float *post_out,
+                   float *comb_out, void *h) {
+    const void *x = residual;
+    if (o != NULL) {
+        dsv41_hc_expand(rows, S, D, bf16, o, residual, post, comb, streams);
+        x = streams;
+    }
+    if (dsv41_hc_mixes(rows, S, D, bf16, x, fn, scale, base, iters, norm_eps, hc_eps, threads, pre_out, post_out,
+                       comb_out) != 0)
+        return -1;
+    dsv41_hc_collapse(rows, S, D, bf16, x, pre, h);
+    dsv41_rms_norm(rows, D, eps, h, bf16, norm_weight, norm_bf16, h);
+    return 0;
+}
