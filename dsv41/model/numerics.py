@@ -231,7 +231,7 @@ class Numerics:
 
     def _native_qdq(self, x: torch.Tensor, point: str) -> torch.Tensor | None:
         """x [B, T, …]: at most `NATIVE_POSITIONS` positions on the CPU, no autograd recording."""
-        if not (self.native and x.device.type == "cpu" and x.dim() >= 3 and x.shape[:2].numel() <= NATIVE_POSITIONS):
+        if not (self.native and x.is_cpu and x.dim() >= 3 and x.shape[:2].numel() <= NATIVE_POSITIONS):
             return None
         if torch.is_grad_enabled() and x.requires_grad:
             return None
@@ -242,14 +242,14 @@ class Numerics:
         """layers.py's quantised linear (or, with `pairs`, one weight per row of x [P, in]) in one native
         call from the stored weight and scale bytes: bf16, the torch path's bits (docs/NUMERICS.md N11,
         N14). None where the policy leaves it to layers.py."""
-        if not (self.native and self.quantized and x.device.type == "cpu"):
+        if not (self.native and self.quantized and x.is_cpu):
             return None
         return native.quantized_linear(x, weight, scale, storage, pairs)
 
     def fp8_act_quant(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """§6.3 point #1 before a quantised GEMM: `formats.fp8_act_quant`, in one pass by the native
         kernel where the policy takes it (the same bytes and scales: tests/test_native.py)."""
-        if self.native and x.device.type == "cpu":
+        if self.native and x.is_cpu:
             out = native.fp8_act_quant(x)
             if out is not None:
                 return out
@@ -380,7 +380,7 @@ class Numerics:
         """layers.py's RMSNorm in one native call for fast numerics' decode rows (at most
         `NATIVE_POSITIONS` of them, no autograd; docs/NUMERICS.md N18). None where the policy leaves it to
         torch: reference numerics keep torch's mean, whose summation order the kernel does not reproduce."""
-        if not (self.native and not self.invariant and x.device.type == "cpu"
+        if not (self.native and not self.invariant and x.is_cpu
                 and x.numel() <= NATIVE_POSITIONS * x.shape[-1]):
             return None
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
@@ -392,7 +392,7 @@ class Numerics:
         """attention.py's `sparse_attention` in one native call where the policy has no attention blocks
         (fast numerics) and the call is a decode step's (at most `NATIVE_POSITIONS` query positions, no
         autograd); None where it leaves it to attention.py (docs/NUMERICS.md N17)."""
-        if not (self.native and self.attention_block is None and q.device.type == "cpu"
+        if not (self.native and self.attention_block is None and q.is_cpu
                 and q.shape[0] * q.shape[1] <= NATIVE_POSITIONS):
             return None
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, pool, sink)):
@@ -404,7 +404,7 @@ class Numerics:
         decode step's (at most `NATIVE_POSITIONS` query positions, no autograd): every batch row at once,
         each score summed alone, so a row's scores do not depend on the batch (docs/NUMERICS.md N19).
         None where it leaves them to the indexer's torch path."""
-        if not (self.native and not self.invariant and q.device.type == "cpu"
+        if not (self.native and not self.invariant and q.is_cpu
                 and q.shape[0] * q.shape[1] <= NATIVE_POSITIONS):
             return None
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, weights, keys)):
@@ -412,7 +412,7 @@ class Numerics:
         return native.index_scores(q, weights, keys)
 
     def _native_attention(self, a: torch.Tensor, kv: torch.Tensor) -> bool:
-        return (self.native and self.invariant and a.dtype == kv.dtype == torch.float32 and a.device.type == "cpu"
+        return (self.native and self.invariant and a.dtype == kv.dtype == torch.float32 and a.is_cpu
                 and a.is_contiguous() and kv.is_contiguous()
                 and not (torch.is_grad_enabled() and (a.requires_grad or kv.requires_grad)))
 
@@ -435,7 +435,7 @@ class Numerics:
         w1, w3, w2): its output added in the same call, where `dense_swiglu` would take it (x in the
         weights' dtype, few rows), else None: the layer adds it itself."""
         pairs = x.shape[0] if ids is None else ids.numel()
-        if not (self.native and not self.quantized and x.device.type == "cpu" and pairs <= NATIVE_EXPERT_PAIRS):
+        if not (self.native and not self.quantized and x.is_cpu and pairs <= NATIVE_EXPERT_PAIRS):
             return None
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weights, w1, w3, w2)):
             return None
@@ -457,7 +457,7 @@ class Numerics:
         same scores, choice and weights as the torch path up to the last bit of √softplus; N21) instead
         of ~10 torch operations. None where the policy leaves it to the layer: reference numerics and
         exact-sum kernels keep torch's (double) softplus."""
-        if not (self.native and not self.quantized and not self.invariant and logits.device.type == "cpu"):
+        if not (self.native and not self.quantized and not self.invariant and logits.is_cpu):
             return None
         if torch.is_grad_enabled() and logits.requires_grad:
             return None
@@ -485,7 +485,7 @@ class Numerics:
         """The hyper-connection mixes of at most `NATIVE_MIX_ROWS` rows in one native call (hyper.py
         `split_mixes`; docs/NUMERICS.md N13): the bits of the reference-order torch path under
         invariant kernels, fast numerics' choice too. None where the policy leaves them to hyper.py."""
-        if not (self.native and m.device.type == "cpu" and m.shape[:-1].numel() <= NATIVE_MIX_ROWS):
+        if not (self.native and m.is_cpu and m.shape[:-1].numel() <= NATIVE_MIX_ROWS):
             return None
         if torch.is_grad_enabled() and any(t.requires_grad for t in (m, scale, base)):
             return None
@@ -530,7 +530,7 @@ class Numerics:
         """rope.py `Rotary.rotate` of at most `NATIVE_POSITIONS` positions in one native call, with its
         bits (docs/NUMERICS.md N13): phases complex64 [B or 1, T, R/2] (the kernel conjugates them for
         the inverse); None where the policy leaves it to rope.py."""
-        if not (self.native and x.device.type == "cpu" and x.shape[:2].numel() <= NATIVE_POSITIONS):
+        if not (self.native and x.is_cpu and x.shape[:2].numel() <= NATIVE_POSITIONS):
             return None
         if torch.is_grad_enabled() and x.requires_grad:
             return None
@@ -539,7 +539,7 @@ class Numerics:
     def topk(self, scores: torch.Tensor, k: int, *, sorted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """topk.py's `topk` (exact ties to the lower index): one native call on the CPU where the policy
         has the library (no arithmetic, so the same set and order under every policy; N15)."""
-        if self.native and scores.device.type == "cpu" and not (torch.is_grad_enabled() and scores.requires_grad):
+        if self.native and scores.is_cpu and not (torch.is_grad_enabled() and scores.requires_grad):
             out = native.topk(scores, k, sorted)
             if out is not None:
                 return out
@@ -547,7 +547,7 @@ class Numerics:
 
     def _native_mix(self, x: torch.Tensor, *others: torch.Tensor) -> bool:
         """x [..., S, D]: few rows on the CPU, at most 4 streams, no autograd recording."""
-        if not (self.native and x.device.type == "cpu" and x.shape[-2] <= 4
+        if not (self.native and x.is_cpu and x.shape[-2] <= 4
                 and x.shape[:-2].numel() <= NATIVE_MIX_ROWS):
             return False
         return not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *others)))
@@ -560,7 +560,7 @@ class Numerics:
         summed in double (`native.gemv(exact=True)`). `widening`: fp32 rows against a bf16 weight the
         kernel widens as it reads it (the alternative is an fp32 copy of the weight, then the product)."""
         mixed = widening and x.dtype == torch.float32 and weight.dtype == torch.bfloat16
-        if not self.native or (weight.dtype != x.dtype and not mixed) or x.device.type != "cpu":
+        if not self.native or (weight.dtype != x.dtype and not mixed) or not x.is_cpu:
             return False
         if x.dtype == torch.float32:
             if not (self.invariant or mixed or weight.numel() >= NATIVE_FP32_FROM):
@@ -618,7 +618,7 @@ class Numerics:
         """
         M, K = q.shape[-2:]
         nb, N, lead = K // GEMM_BLOCK, stored.shape[-2], q.shape[:-2]
-        if self.native and q.device.type == "cpu":
+        if self.native and q.is_cpu:
             out = native.block_gemm(q.reshape(-1, M, K), q_scale.reshape(-1, M, nb),
                                     stored.reshape(-1, N, stored.shape[-1]), w_scale.reshape(-1, N, nb), storage)
             if out is not None:

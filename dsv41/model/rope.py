@@ -66,7 +66,7 @@ class Rotary(nn.Module):
                phases: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate the last R features of x [B, T, (heads,) F] at positions [T] (every row) or [B, T];
         fp32 math, x.dtype out. `phases`: `self.phases(positions)` already computed."""
-        if self.freqs.device.type == "meta" or x.device.type == "meta":
+        if self.freqs.is_meta or x.is_meta:
             return x
         phases = self.phases(positions) if phases is None else phases
         if phases.device != x.device:
