@@ -521,6 +521,48 @@ def test_a_mutated_hc_mixes_kernel_is_caught(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_compressed_entries_gather_in_one_call_as_the_index_does(dtype, monkeypatch):
+    """attention.py `_compressed`'s decode-step copy of the selected compressed rows: the rows the torch
+    index reads (row 0 for −1) and the pool indices base + i·k + j (−1 kept), each token from its own
+    slot; a selected row past the pool declines; a decode step of a model takes it."""
+    g = torch.Generator().manual_seed(27)
+    kv = torch.randn(3, 40, 16, generator=g).to(dtype)
+    token_slot = torch.tensor([2, 0, 2])
+    selected = torch.randint(0, 40, (3, 5), generator=g)
+    selected[1, 3:] = -1
+    picked, listed = FAST_NATIVE.gather_compressed(kv, token_slot, selected, 7)
+    assert torch.equal(picked, kv[token_slot.unsqueeze(1), selected.clamp(min=0)].flatten(0, 1))
+    assert torch.equal(listed, torch.where(selected >= 0, 7 + torch.arange(15).view(3, 5), -1))
+    past = selected.clone()
+    past[2, 4] = 40                                                             # row 40 of 40
+    assert FAST_NATIVE.gather_compressed(kv, token_slot, past, 7) is None
+    assert FAST.gather_compressed(kv, token_slot, selected, 7) is None
+    from helpers import MAX_SEQ, binding_config, token_ids, without_dspark
+    runtime = RuntimeConfig(max_seq_len=MAX_SEQ, numerics="fast", dtype="bfloat16", kernels="blas")
+    model = init_random_(Transformer(without_dspark(binding_config()), runtime), 0)
+    calls = []
+    real = native.gather_compressed
+    monkeypatch.setattr(native, "gather_compressed", lambda *a: calls.append(1) or real(*a))
+    ids, cache = token_ids(1, 50, model.cfg.vocab_size), model.new_cache(1, MAX_SEQ)
+    with torch.no_grad():
+        model(ids[:, :49], 0, cache)
+        before = len(calls)
+        model(ids[:, 49:], 49, cache)
+    assert len(calls) > before
+
+
+@pytest.mark.parametrize("old, new", [
+    ("listed[q] = selected[q] < 0 ? -1 : base + q;", "listed[q] = base + q;"),     # a −1 entry listed
+    ("(token_slot[i] * L + row) * row_bytes", "(token_slot[0] * L + row) * row_bytes"),   # the first token's slot
+])
+def test_a_mutated_compressed_gather_is_caught(old, new, tmp_path, monkeypatch):
+    lib = mutated_library("attention.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_the_compressed_entries_gather_in_one_call_as_the_index_does(torch.float32, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_sublayer_entry_is_one_native_call_with_the_bits_of_four(dtype):
     """block.py `Block._enter` in one call (mixes.c `dsv41_hc_enter`): the previous output expanded into
     the streams, their mixes, and the normed collapse with the previous mixes' pre (trap 1), each part

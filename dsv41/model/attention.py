@@ -237,6 +237,9 @@ class Attention(nn.Module):
         selected = handoff.selection_for(role)                                      # [N, k]
         N, k = selected.shape
         if N * k < step.n_rows * C:
+            gathered = self.numerics.gather_compressed(source.kv, step.token_slot, selected, base)
+            if gathered is not None:
+                return gathered
             picked = source.kv[step.token_slot.unsqueeze(1), selected.clamp(min=0)]   # [N, k, Dh]
             listed = torch.arange(base, base + N * k, device=x.device).view(N, k)
             return picked.flatten(0, 1), torch.where(selected >= 0, listed, -1)

@@ -399,6 +399,17 @@ class Numerics:
             return None
         return native.sparse_attention(q, pool, rows, sink, scale, floor)
 
+    def gather_compressed(self, kv: torch.Tensor, token_slot: torch.Tensor, selected: torch.Tensor,
+                          base: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """attention.py `_compressed`'s copy of the selected compressed rows and their pool indices in one
+        native call (an exact copy: any numerics), for a decode step's few tokens (at most
+        `NATIVE_POSITIONS`) outside autograd; None where the policy leaves it to attention.py."""
+        if not (self.native and kv.is_cpu and selected.shape[0] <= NATIVE_POSITIONS):
+            return None
+        if torch.is_grad_enabled() and kv.requires_grad:
+            return None
+        return native.gather_compressed(kv, token_slot, selected, base)
+
     def index_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
         """indexer.py's scores of a key tile [B, T, c] in one native call where fast numerics run a
         decode step's (at most `NATIVE_POSITIONS` query positions, no autograd): every batch row at once,

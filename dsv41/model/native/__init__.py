@@ -152,6 +152,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_sparse_attention.restype = ctypes.c_int
     lib.dsv41_sparse_attention.argtypes = ([ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p, ctypes.c_int] * 2
                                            + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int])
+    lib.dsv41_gather_compressed.restype = ctypes.c_int
+    lib.dsv41_gather_compressed.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
     lib.dsv41_rms_norm.restype = None
     lib.dsv41_rms_norm.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_float] + [ctypes.c_void_p, ctypes.c_int] * 2 + [ctypes.c_void_p]
     lib.dsv41_topk.restype = None
@@ -379,6 +381,24 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, si
                                         pool.dtype == bf16, rows.data_ptr(), sink.data_ptr(), scale, floor,
                                         out.data_ptr(), out.dtype == bf16)
     return out if status == 0 else None
+
+
+def gather_compressed(kv: torch.Tensor, token_slot: torch.Tensor, selected: torch.Tensor,
+                      base: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """attention.py `_compressed`'s entries of a call in one call (attention.c): kv [S, L, Dh] (contiguous),
+    token_slot [N], selected [N, k] (−1: none) → (picked [N·k, Dh]: token i's entry j at i·k + j, row 0
+    for −1; listed [N, k]: base + i·k + j, or −1). None where the kernel is not available or does not
+    take the call."""
+    lib = _library()
+    if lib is None or not kv.is_contiguous() or kv.dim() != 3:
+        return None
+    token_slot, selected = token_slot.to(torch.int64).contiguous(), selected.to(torch.int64).contiguous()
+    (N, k), (L, Dh) = selected.shape, kv.shape[1:]
+    picked = kv.new_empty(N * k, Dh)
+    listed = torch.empty(N, k, dtype=torch.int64)
+    status = lib.dsv41_gather_compressed(N, k, L, Dh * kv.element_size(), kv.data_ptr(), token_slot.data_ptr(),
+                                         selected.data_ptr(), base, picked.data_ptr(), listed.data_ptr())
+    return (picked, listed) if status == 0 else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -72,3 +72,23 @@ int dsv41_sparse_attention(int64_t B, int64_t T, int64_t H, int64_t Dh, int64_t 
     }
     return failed ? -1 : 0;
 }
+
+/* A call's compressed entries in the pool (attention.py `_compressed`, N·k of them): token i's entry j
+ * is row selected[i, j] of slot token_slot[i] in kv [S, L, Dh] (rows of row_bytes bytes, contiguous),
+ * copied to picked[i · k + j], listed there as listed[i, j] = base + i · k + j; an entry of −1 (nothing
+ * selected) copies row 0 and is listed as −1. The torch path's index, arange and where, in one call.
+ * Returns 0, or -1 (a selected row of L or more; nothing written). */
+int dsv41_gather_compressed(int64_t N, int64_t k, int64_t L, int64_t row_bytes, const void *kv,
+                            const int64_t *token_slot, const int64_t *selected, int64_t base, void *picked,
+                            int64_t *listed) {
+    for (int64_t q = 0; q < N * k; q++)
+        if (selected[q] >= L) return -1;
+    for (int64_t i = 0; i < N; i++)
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t q = i * k + j, row = selected[q] < 0 ? 0 : selected[q];
+            memcpy((char *)picked + q * row_bytes, (const char *)kv + (token_slot[i] * L + row) * row_bytes,
+                   (size_t)row_bytes);
+            listed[q] = selected[q] < 0 ? -1 : base + q;
+        }
+    return 0;
+}
