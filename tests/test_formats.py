@@ -189,6 +189,14 @@ def test_byte_tables_decode_every_stored_byte(dtype):
     assert same(F.decode_bytes(every[:3].view(torch.float8_e4m3fn), "e4m3", dtype), e4m3[:3])
     with pytest.raises(ValueError, match="unknown byte format"):
         F.decode_bytes(packed, "e5m2")
+    # the accelerators' decoders (no host table copied per call), run here on host tensors
+    assert same(F._decode_on_device(every.view(torch.float8_e4m3fn), "e4m3", dtype), e4m3)
+    assert same(F._decode_on_device(every.view(torch.int8).unsqueeze(0), "e2m1x2", dtype), pairs)
+    assert same(F._decode_on_device(packed, "e2m1x2", dtype), got)
+
+
+def test_the_e2m1_values_computed_on_a_device_are_the_tables():
+    assert same(F.e2m1_computed("cpu"), F.E2M1_VALUES) and F.e2m1_computed("cpu")[8].signbit()
 
 
 # ---------------------------------------------------------------- fp8 weights -------------------

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsv41.config import ConfigError
-from dsv41.model import formats, native
+from dsv41.model import formats, gpu_kernels, native
 from dsv41.model.init import init_random_
 from dsv41.model.moe import MoE, route, swiglu
 from dsv41.model.numerics import FAST, Numerics
@@ -228,8 +228,13 @@ def test_grouped_expert_gemm_against_the_loop_and_the_oracle():
 
 
 def test_the_expert_kernel_follows_the_device_and_numerics():
-    assert Numerics.for_device("fast", None, "cuda") == Numerics("fast", "blas", "grouped")
+    triton = gpu_kernels.available()
+    assert Numerics.for_device("fast", None, "cuda") == Numerics("fast", "blas", "grouped", triton=triton)
     assert Numerics.for_device("fast", None, "cuda", "float32").experts == "loop"     # grouped kernels take bf16
+    assert not Numerics.for_device("fast", None, "mps").triton
+    assert Numerics.for_device("reference", None, "cuda") == Numerics("reference", "invariant")
+    with pytest.raises(ConfigError, match="Triton kernels sum in their own order"):
+        Numerics("reference", "invariant", triton=True)
     assert Numerics.for_device("fast", None, "cpu") == Numerics("fast", "blas", "loop", cpu_kernels=True,
                                                                native=native.available())
     assert not Numerics.for_device("fast", "invariant", "cpu").cpu_kernels          # they sum in their own order

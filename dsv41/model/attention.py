@@ -53,7 +53,8 @@ def window_indices(step: Step, window: int) -> torch.Tensor:
     """
     device, B = step.positions.device, step.n_rows
     p = step.positions.unsqueeze(1)                                            # [N, 1]
-    first = torch.tensor(step.offsets, device=device)[step.row].unsqueeze(1)    # the row's first token
+    # the row's first token: a token's index less its rank in its row (no copy of the offsets from the host)
+    first = (torch.arange(step.n_tokens, device=device) - step.token_rank).unsqueeze(1)
     start = p - step.token_rank.unsqueeze(1)
     call = B * window + first                                                  # pool index of the row's start
     if step.reference_layout and not any(step.starts):
@@ -243,7 +244,7 @@ class Attention(nn.Module):
             picked = source.kv[step.token_slot.unsqueeze(1), selected.clamp(min=0)]   # [N, k, Dh]
             listed = torch.arange(base, base + N * k, device=x.device).view(N, k)
             return picked.flatten(0, 1), torch.where(selected >= 0, listed, -1)
-        kv = source.kv[list(step.slots), :C]                                         # [B, C, Dh]
+        kv = source.kv[step.slot_index, :C]          # [B, C, Dh]; the slots' tensor: no copy from a list
         return kv.flatten(0, 1), torch.where(selected >= 0, step.row.unsqueeze(1) * C + (selected + base), -1)
 
     def _compress(self, x: torch.Tensor, step: Step, source: SourceState) -> list[bool]:

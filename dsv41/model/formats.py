@@ -96,7 +96,22 @@ def fp4_encode(x: Tensor) -> Tensor:
 
 def fp4_decode(codes: Tensor) -> Tensor:
     """e2m1 codes (any integer dtype, values 0..15) -> fp32."""
-    return E2M1_VALUES.to(codes.device)[codes.to(torch.long)]
+    return e2m1_table(codes.device)[codes.to(torch.long)]
+
+
+def e2m1_table(device) -> Tensor:
+    """`E2M1_VALUES` on `device`. Off the CPU it is computed there (magnitude codes 0, 1 are 0 and 1/2;
+    code m ≥ 2 is 2^(m//2 − 1) · (1 + (m & 1)/2)) rather than copied from host memory: a copy per call
+    is a host synchronisation on CUDA."""
+    return E2M1_VALUES if torch.device(device).type == "cpu" else e2m1_computed(device)
+
+
+def e2m1_computed(device) -> Tensor:
+    code = torch.arange(16, device=device)
+    magnitude = code & 7
+    normal = torch.ldexp(1.0 + (magnitude & 1) * 0.5, (magnitude >> 1) - 1)
+    value = torch.where(magnitude < 2, magnitude * 0.5, normal)
+    return torch.where(code >= 8, -value, value)
 
 
 def byte_values(fmt: str) -> Tensor:
@@ -135,14 +150,24 @@ def decode_bytes(stored: Tensor, fmt: str, dtype: torch.dtype = torch.float32) -
     (`benchmarks/bench_formats.py`)."""
     if (fmt, dtype) not in _LOOKUPS:
         raise ValueError(f"unknown byte format {fmt!r} in {dtype}; expected 'e4m3' or 'e2m1x2' in fp32 or float64")
+    if not stored.is_cpu:
+        return _decode_on_device(stored, fmt, dtype)
     width, rows = _LOOKUPS[fmt, dtype]
     if stored.shape[-1] % width:
         return stored.view(torch.float8_e4m3fn).to(dtype)               # an odd row: e4m3 by the cast
-    if rows.device != stored.device:
-        rows = rows.to(stored.device)
     raw = stored.reshape(-1).view(torch.uint8)
     codes = raw.view(torch.int16).to(torch.int32) & 0xFFFF if width == 2 else raw.to(torch.int32)
     return rows.index_select(0, codes).view(dtype).view(*stored.shape[:-1], -1)
+
+
+def _decode_on_device(stored: Tensor, fmt: str, dtype: torch.dtype) -> Tensor:
+    """`decode_bytes` where the bytes are not in host memory: torch's exact e4m3 cast, or both nibbles
+    through `e2m1_table` (the host tables would be copied to the device at every call)."""
+    if fmt == "e4m3":
+        return stored.view(torch.float8_e4m3fn).to(dtype)
+    raw = stored.view(torch.uint8).to(torch.long)
+    table = e2m1_table(stored.device).to(dtype)
+    return torch.stack((table[raw & 0xF], table[raw >> 4]), dim=-1).flatten(-2)
 
 
 def pack_fp4(codes: Tensor) -> Tensor:

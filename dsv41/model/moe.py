@@ -268,8 +268,11 @@ class RoutedExperts(nn.Module):
     def _grouped(self, x: torch.Tensor, expert: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Pairs sorted by expert (weights held dequantised by fast numerics) → outputs [P, D]: one
         grouped GEMM per projection, expert e owning rows [ends[e−1], ends[e]); the offsets stay on the
-        device. Pairs of the EP sentinel expert E fall past the last offset and are masked by the caller."""
-        ends = torch.bincount(expert, minlength=self.n_experts).cumsum(0)[:self.n_experts].to(torch.int32)
+        device. Pairs of the EP sentinel expert E fall past the last offset and are masked by the caller.
+        The offsets come from a search of the sorted ids, not `bincount`, whose output size waits on the
+        device (a host synchronisation per layer on CUDA, measured: 16 of a decode step's 25)."""
+        experts = torch.arange(self.n_experts, device=expert.device)
+        ends = torch.searchsorted(expert, experts, right=True).to(torch.int32)
 
         def project(a: torch.Tensor, bank: StackedWeight) -> torch.Tensor:
             return torch._grouped_mm(a, bank.weight.to(a.dtype).transpose(1, 2), offs=ends)

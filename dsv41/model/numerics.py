@@ -50,6 +50,9 @@ One frozen object, built from the runtime config and passed to every module (STY
     `NATIVE_EXPERT_PAIRS` (token, expert) pairs, a decode step's sparse attention, index scores and
     RMSNorms, run in C, outside autograd only (the kernels have no backward);
   - both: the hyper-connection mixes, RoPE and the tie-ruled top-k (N13, N15, N16).
+- `triton` (fast numerics with BLAS kernels on CUDA, set by `for_device` where Triton imports):
+  the hyper-connection split, Sinkhorn included, in one launch instead of ~120 (`gpu_kernels.py`;
+  docs/NUMERICS.md N28).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import formats, native
+from . import formats, gpu_kernels, native
 from .topk import topk as ordered_topk
 from ..config import ConfigError
 
@@ -120,6 +123,7 @@ class Numerics:
     experts: str = "loop"
     cpu_kernels: bool = False
     native: bool = False
+    triton: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -137,9 +141,10 @@ class Numerics:
             # product sums in its own order (fast numerics' licence): neither fits a mixed policy
             raise ConfigError(f"the native kernels compute reference numerics with invariant kernels or fast "
                               f"numerics with BLAS kernels, not {self.mode}/{self.kernels}")
-        if self.cpu_kernels and (self.quantized or self.invariant):
-            raise ConfigError(f"the CPU kernels sum in their own order: fast numerics with BLAS kernels only, "
-                              f"not {self.mode}/{self.kernels}")
+        for kind, chosen in (("CPU", self.cpu_kernels), ("Triton", self.triton)):
+            if chosen and (self.quantized or self.invariant):
+                raise ConfigError(f"the {kind} kernels sum in their own order: fast numerics with BLAS kernels only, "
+                                  f"not {self.mode}/{self.kernels}")
 
     @classmethod
     def default(cls, mode: str) -> "Numerics":
@@ -161,9 +166,10 @@ class Numerics:
             return policy
         if kind == "cpu":
             return cls(policy.mode, policy.kernels, cpu_kernels=True, native=native.available())
-        if kind != "meta" and dtype == "bfloat16":
-            return cls(policy.mode, policy.kernels, "grouped")
-        return policy
+        if kind == "meta":
+            return policy
+        experts = "grouped" if dtype == "bfloat16" else "loop"
+        return cls(policy.mode, policy.kernels, experts, triton=kind == "cuda" and gpu_kernels.available())
 
     # ------------------------------------------------------------------------------ properties
     @property
@@ -495,10 +501,13 @@ class Numerics:
                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The hyper-connection mixes of at most `NATIVE_MIX_ROWS` rows in one native call (hyper.py
         `split_mixes`; docs/NUMERICS.md N13): the bits of the reference-order torch path under
-        invariant kernels, fast numerics' choice too. None where the policy leaves them to hyper.py."""
-        if not (self.native and m.is_cpu and m.shape[:-1].numel() <= NATIVE_MIX_ROWS):
-            return None
+        invariant kernels, fast numerics' choice too. On CUDA with `triton`, any number of rows in one
+        launch (N28). None where the policy leaves them to hyper.py."""
         if torch.is_grad_enabled() and any(t.requires_grad for t in (m, scale, base)):
+            return None
+        if self.triton and m.is_cuda:
+            return gpu_kernels.split_mixes(m, scale, base, streams, iters, eps)
+        if not (self.native and m.is_cpu and m.shape[:-1].numel() <= NATIVE_MIX_ROWS):
             return None
         return native.split_mixes(m, scale, base, streams, iters, eps)
 

@@ -69,14 +69,16 @@ class Step:
         # ten, and no data-dependent shape (repeat_interleave) for a compiler to trace
         row = [r for r, c in enumerate(self.counts) for _ in range(c)]
         rank = [t for c in self.counts for t in range(c)]
-        table = torch.tensor([row, [self.starts[r] + t for r, t in zip(row, rank)], rank,
-                              [self.slots[r] for r in row]], dtype=torch.int64, device=self.device)
+        # the rows' slots ride in the same copy (one host-to-device transfer on an accelerator, not two)
+        n = len(row)
+        table = torch.tensor(row + [self.starts[r] + t for r, t in zip(row, rank)] + rank + [self.slots[r] for r in row]
+                             + list(self.slots), dtype=torch.int64, device=self.device)
         object.__setattr__(self, "offsets", tuple(offsets))
-        object.__setattr__(self, "row", table[0])
-        object.__setattr__(self, "positions", table[1])
-        object.__setattr__(self, "token_rank", table[2])
-        object.__setattr__(self, "token_slot", table[3])
-        object.__setattr__(self, "slot_index", torch.tensor(self.slots, dtype=torch.int64, device=self.device))
+        object.__setattr__(self, "row", table[:n])
+        object.__setattr__(self, "positions", table[n:2 * n])
+        object.__setattr__(self, "token_rank", table[2 * n:3 * n])
+        object.__setattr__(self, "token_slot", table[3 * n:4 * n])
+        object.__setattr__(self, "slot_index", table[4 * n:])
 
     @classmethod
     def uniform(cls, batch: int, start_pos: int, length: int, **kwargs) -> "Step":
