@@ -63,10 +63,12 @@ def write_sparse_table(path: Path, rows: int, head_dim: int = 256) -> None:
         f.truncate(8 + len(blob) + w_bytes + s_bytes)
 
 
-def report_gather(label: str, table: EngramTable, ids: torch.Tensor, repeat: int) -> None:
+def report_gather(label: str, table: EngramTable, ids: torch.Tensor, repeat: int,
+                  policy: Numerics | None = None) -> None:
+    """`policy`: the lookup a model makes (on the CPU its native one-pass kernel); None: the torch path."""
     n = ids.numel()
-    t = timed(lambda: table.lookup(ids), repeat)
-    print(f"{label:<28}: {n / t / 1e6:6.2f} M rows/s  {n * ROW_BYTES / t / 1e6:8.1f} MB/s read  "
+    t = timed(lambda: table.lookup(ids, numerics=policy), repeat)
+    print(f"{label:<40}: {n / t / 1e6:6.2f} M rows/s  {n * ROW_BYTES / t / 1e6:8.1f} MB/s read  "
           f"({n} rows in {t * 1e3:.1f} ms)")
 
 
@@ -78,13 +80,19 @@ def bench_gather(rows: int, tmp: Path) -> None:
     B, T, N = 4, 512, 24
     print(f"mapped sparse table: {rows} rows, {path.stat().st_size / 2**30:.1f} GiB file")
     first = torch.randint(0, rows, (B, T, N), generator=gen)
-    report_gather("mmap gather, first touch", table, first, 1)
-    report_gather("mmap gather, pages resident", table, first, 3)
+    policy = Numerics.for_device("fast", None, "cpu")
+    report_gather("mmap gather, first touch", table, first, 1, policy)
+    for name, p in (("torch path", None), ("the model's lookup", policy)):
+        report_gather(f"mmap gather, pages resident, {name}", table, first, 3, p)
     ram_rows = 1 << 20
     ram = EngramTable(ram_rows, 256)
     ram.weight.data.view(torch.uint8).random_(0, 120, generator=gen)
     ram.scale.data.view(torch.uint8).fill_(127)
-    report_gather("RAM table (1M rows)", ram, torch.randint(0, ram_rows, (B, T, N), generator=gen), 3)
+    ids = torch.randint(0, ram_rows, (B, T, N), generator=gen)
+    step = ids[:1, :1]                                           # a decode step's 24 rows
+    for name, p in (("torch path", None), ("the model's lookup", policy)):
+        report_gather(f"RAM table (1M rows), {name}", ram, ids, 3, p)
+        report_gather(f"RAM table, one decode step, {name}", ram, step, 200, p)
     path.unlink()
 
 

@@ -9,7 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dsv41.model import native
 from dsv41.model.engram import EngramTable, map_safetensors_tensor
+from dsv41.model.numerics import Numerics
 
 GIB = 1 << 30
 
@@ -159,3 +161,49 @@ def test_attach_checks_shapes():
     table = EngramTable(4, 64, device="meta")
     with pytest.raises(ValueError, match="weight"):
         table.attach(torch.zeros(4, 32, dtype=torch.float8_e4m3fn), torch.zeros(4, 2, dtype=torch.float8_e8m0fnu))
+
+
+needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler for the native kernels")
+
+
+def every_byte_pair_table() -> EngramTable:
+    """256 rows of all 256 weight bytes, row r scaled by ue8m0 byte r throughout: every pair once."""
+    table = EngramTable(256, 256)
+    table.weight.data.view(torch.uint8).copy_(torch.arange(256, dtype=torch.uint8).repeat(256, 1))
+    table.scale.data.view(torch.uint8).copy_(torch.arange(256, dtype=torch.uint8).unsqueeze(1).repeat(1, 8))
+    return table
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, any NaN equal to any NaN (the payload of a NaN is not kept)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.view(torch.int16)[~nan], b.view(torch.int16)[~nan])
+
+
+@needs_native
+def test_the_native_lookup_gives_the_torch_paths_values_for_every_byte_pair(monkeypatch):
+    table, policy = every_byte_pair_table(), Numerics.for_device("fast", None, "cpu")
+    ids = torch.randperm(256, generator=torch.Generator().manual_seed(4)).view(4, 2, 32)
+    want = table.lookup(ids)
+    got = table.lookup(ids, numerics=policy)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape and same_values(got, want)
+    finite = ~want.isnan()
+    expected = dense_rows(table.weight.view(torch.uint8)[ids], table.scale.view(torch.uint8)[ids])
+    assert torch.equal(got[finite].double(), expected.to(torch.bfloat16).double()[finite])
+    # the policy's call is the kernel's: planted, it is seen
+    monkeypatch.setattr(native, "engram_rows", lambda *args: torch.zeros(()))
+    assert table.lookup(ids, numerics=policy).shape == ()
+    assert same_values(table.lookup(ids, numerics=Numerics("fast", "blas")), want)     # no native kernels
+
+
+@needs_native
+def test_the_native_lookup_of_a_table_part_reads_zeros_outside_it():
+    whole = every_byte_pair_table()
+    part = EngramTable(256, 256, part=(96, 160))
+    part.weight.data.copy_(whole.weight.data[96:160])
+    part.scale.data.copy_(whole.scale.data[96:160])
+    ids = torch.arange(0, 255, 3).view(1, 17, 5)
+    got = part.lookup(ids, numerics=Numerics.for_device("reference", None, "cpu"))
+    assert same_values(got, part.lookup(ids))
+    inside = (ids >= 96) & (ids < 160)
+    assert not got[~inside].any() and same_values(got[inside], whole.lookup(ids)[inside])

@@ -416,6 +416,14 @@ class Numerics:
             return None
         return native.gather_compressed(kv, token_slot, selected, base)
 
+    def engram_rows(self, weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor | None:
+        """engram/table.py's lookup of a host table into host memory in one native call (the rows'
+        gather, decode, scale and bf16 cast: exact, so any numerics); None where the policy leaves it to
+        the table's torch path."""
+        if not (self.native and weight.is_cpu and ids.is_cpu):
+            return None
+        return native.engram_rows(weight, scale, ids, first)
+
     def index_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
         """indexer.py's scores of a key tile [B, T, c] in one native call where fast numerics run a
         decode step's (at most `NATIVE_POSITIONS` query positions, no autograd): every batch row at once,

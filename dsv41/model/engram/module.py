@@ -65,7 +65,7 @@ class Engram(nn.Module):
         if hash_ids.shape[-1] != self.n_columns:
             raise ValueError(f"Engram layer {self.layer_id} expects {self.n_columns} hash columns, "
                              f"got shape {tuple(hash_ids.shape)}")
-        return self.embed.lookup(hash_ids, device).flatten(-2)
+        return self.embed.lookup(hash_ids, device, self.numerics).flatten(-2)
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, text_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x bf16 [B, T, S, D], rows bf16 [B, T, N·De], text_mask [B, T] (False = image) -> [B, T, S, D]."""

@@ -99,12 +99,17 @@ class EngramTable(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
-    def lookup(self, ids: torch.Tensor, device=None) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, device=None, numerics=None) -> torch.Tensor:
         """ids int64 [..., N] -> bf16 [..., N, De] on `device` (default: the ids' device).
 
         Only the requested rows are read; dequantisation is an fp32 multiply then one bf16 rounding
-        (docs/ARCHITECTURE.md §9 step 1), done on the destination device."""
+        (docs/ARCHITECTURE.md §9 step 1), done on the destination device. With a `numerics` policy, a
+        host table looked up into host memory may take its one-pass kernel (the same values)."""
         out_device = torch.device(device) if device is not None else ids.device
+        if numerics is not None and out_device.type == "cpu":
+            rows = numerics.engram_rows(self.weight, self.scale, ids.to(self.weight.device), self.first)
+            if rows is not None:
+                return rows
         flat = ids.reshape(-1).to(self.weight.device) - self.first
         elsewhere = None
         if self.rows < self.full_rows:

@@ -53,7 +53,7 @@ from .. import formats
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("blockgemm.c", "quantize.c", "gemv.c", "mixes.c", "rope.c", "topk.c", "attention.c",
-                             "norm.c", "indexer.c"))
+                             "norm.c", "indexer.c", "engram.c"))
 # Included by the sources (bf16 ⇄ fp32, a thread's share of a loop): part of the library's key, found in
 # this folder (-I).
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "span.h"))
@@ -63,6 +63,9 @@ THREAD_FROM = 1 << 15
 # Weight values (P·N·K) below which `gemv` runs on one thread: joining OpenMP's warm pool costs ~1 µs,
 # what one thread spends on ~16K bf16 weights.
 GEMV_THREAD_FROM = 1 << 15
+# Engram row values (rows · De) below which a lookup runs on one thread: a decode step's 24 rows of 256
+# are ~6K values, a 512-token prefill's ~3M.
+ENGRAM_THREAD_FROM = 1 << 16
 # Scores (rows · n) below which a top-k runs on one thread.
 TOPK_THREAD_FROM = 1 << 16
 # -ffp-contract=off keeps blockgemm.c's fp32 steps unfused (its bits); gemv.c fuses by intrinsics.
@@ -137,6 +140,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_hc_mixes.restype = ctypes.c_int
     lib.dsv41_hc_mixes.argtypes = ([ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
                                    + [ctypes.c_float] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 3)
+    lib.dsv41_engram_rows.restype = None
+    lib.dsv41_engram_rows.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p]
     lib.dsv41_hc_collapse.restype = None
     lib.dsv41_hc_collapse.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.dsv41_hc_expand.restype = None
@@ -399,6 +404,24 @@ def gather_compressed(kv: torch.Tensor, token_slot: torch.Tensor, selected: torc
     status = lib.dsv41_gather_compressed(N, k, L, Dh * kv.element_size(), kv.data_ptr(), token_slot.data_ptr(),
                                          selected.data_ptr(), base, picked.data_ptr(), listed.data_ptr())
     return (picked, listed) if status == 0 else None
+
+
+def engram_rows(weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor | None:
+    """engram/table.py's lookup on the host in one call (engram.c): weight e4m3 [rows, De] and scale
+    ue8m0 [rows, De/32] of a table part starting at row `first`, ids int64 [...] of the whole table →
+    bf16 [..., De] (zeros for ids outside the part), the torch path's values. None where the kernel is
+    not available or does not take the table."""
+    lib = _library()
+    if (lib is None or weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float8_e8m0fnu
+            or weight.dim() != 2 or weight.shape[1] % 32 or not (weight.is_contiguous() and scale.is_contiguous())):
+        return None
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    rows, De = weight.shape
+    out = torch.empty(flat.numel(), De, dtype=torch.bfloat16)
+    threads = torch.get_num_threads() if out.numel() >= ENGRAM_THREAD_FROM else 1
+    lib.dsv41_engram_rows(flat.numel(), rows, De, first, weight.data_ptr(), scale.data_ptr(), flat.data_ptr(),
+                          threads, out.data_ptr())
+    return out.view(*ids.shape, De)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
