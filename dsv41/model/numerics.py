@@ -513,7 +513,8 @@ class Numerics:
         launch (N28). None where the policy leaves them to hyper.py."""
         if torch.is_grad_enabled() and any(t.requires_grad for t in (m, scale, base)):
             return None
-        if self.triton and m.is_cuda and not torch.compiler.is_compiling():     # a compiled step fuses them itself
+        # while torch.compile traces, the torch path is traced instead (as the native kernels decline, N22)
+        if self.triton and m.is_cuda and not torch.compiler.is_compiling():
             return gpu_kernels.split_mixes(m, scale, base, streams, iters, eps)
         if not (self.native and m.is_cpu and m.shape[:-1].numel() <= NATIVE_MIX_ROWS):
             return None
