@@ -11,7 +11,8 @@ vision, which the reference builds from a tokenizer and images) is built by dsv4
 byte into the reference model (tools/reference_parity.py). Then, alternating between the contenders,
 medians of --repeats:
 - prefill of --prefill tokens (tokens/s) and --decode single-token steps after it (ms per step), for the
-  reference, dsv41 `reference` numerics (invariant and BLAS kernels) and dsv41 `fast` numerics (bf16);
+  reference, dsv41 `reference` numerics (invariant and BLAS kernels) and dsv41 `fast` numerics (bf16,
+  fp32, and bf16 with the fp4 experts kept stored);
 - the machine's memory bandwidth (a large read, and a large copy), and what fast decode's weight reads
   would cost at it: the bytes a step must read (dense weights, the chosen experts, the head) over the
   read bandwidth, the floor (and over the copy figure, for comparison);
@@ -122,7 +123,9 @@ def decode_weight_bytes(model: Transformer, experts: float | None = None) -> int
     cfg = model.cfg
     for block in model.layers:
         bank = block.ffn.experts
-        per_expert = sum(w.weight[0].numel() * w.weight.element_size() for w in (bank.w1, bank.w2, bank.w3))
+        # a stored bank's expert: its fp4 bytes and their scales
+        per_expert = sum(w.weight[0].nbytes + (0 if w.scale is None else w.scale[0].nbytes)
+                         for w in (bank.w1, bank.w2, bank.w3))
         total += per_expert * (cfg.n_activated_experts if experts is None else experts)
     return total
 
@@ -185,7 +188,11 @@ def run(args: argparse.Namespace) -> None:
     # fp32 weights: twice the bytes, but on CPUs where torch's bf16 GEMM (oneDNN) runs slower than its
     # fp32 one, the faster of the two (README, "How the numerics compute")
     fast32, fast32_model = dsv41_contender("dsv41 fast (fp32)", cfg, 0, max_len, numerics="fast", dtype="float32")
-    contenders += [fast, fast32]
+    # fp4 experts kept in their stored bytes and decoded in the kernels: the bits of fast (bf16), a
+    # quarter of the expert bytes read (docs/NUMERICS.md N30)
+    stored, stored_model = dsv41_contender("dsv41 fast (bf16, stored)", cfg, 0, max_len, numerics="fast",
+                                           stored_experts=True)
+    contenders += [fast, fast32, stored]
     ids = torch.randint(0, cfg.vocab_size, (1, args.prefill + args.decode), generator=torch.Generator().manual_seed(1))
     params = sum(p.numel() for p in model.parameters())
     print(f"dim {cfg.dim}, {cfg.n_layers} layers, top-{cfg.n_activated_experts} of {cfg.n_routed_experts} experts, "
@@ -201,13 +208,14 @@ def run(args: argparse.Namespace) -> None:
         tps, ms = args.prefill / statistics.median(c.prefill_s), statistics.median(c.step_s) * 1e3
         print(f"{c.name:<26} {tps:>13.1f} {ms:>10.2f} {tps / base_tps:>9.2f}x {base_ms / ms:>8.2f}x")
     copy_gb_s, read_gb_s = bandwidth_gb_s()
-    for c, m in ((fast, fast_model), (fast32, fast32_model)):
+    for c, m in ((fast, fast_model), (fast32, fast32_model), (stored, stored_model)):
         need, ms = decode_weight_bytes(m), statistics.median(c.step_s) * 1e3
         at_read, at_copy = need / read_gb_s / 1e6, need / copy_gb_s / 1e6
         print(f"memory: {read_gb_s:.1f} GB/s read, {copy_gb_s:.1f} GB/s copy (read + write); a {c.name} decode step "
               f"reads {need / 1e6:.1f} MB of weights, floor {at_read:.2f} ms at the read bandwidth "
               f"({at_copy:.2f} ms at the copy figure): it runs at {100 * at_read / ms:.0f}% of it ({100 * at_copy / ms:.0f}%)")
-    for name, m in (("fast (bf16)", fast_model), ("fast (fp32)", fast32_model), ("reference/invariant", model)):
+    for name, m in (("fast (bf16)", fast_model), ("fast (fp32)", fast32_model), ("fast (bf16, stored)", stored_model),
+                    ("reference/invariant", model)):
         one_ms, scale, experts = batch_speedup(m, args.prefill, args.decode)
         one, many = decode_weight_bytes(m), decode_weight_bytes(m, experts)
         print(f"{name} decode batch {BATCH}: {scale:.2f}x the tokens/s of batch 1 ({one_ms:.2f} ms per batch-1 step); "

@@ -75,6 +75,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="activation dtype; float32 needs --numerics fast (default: bfloat16)")
+    g.add_argument("--stored-experts", action="store_true",
+                   help="with --numerics fast on the CPU: keep fp4 routed experts in their stored bytes (a quarter "
+                        "of the memory), decoded inside the expert kernels; the same results")
     g.add_argument("--engram-on-disk", action="store_true",
                    help="keep the Engram tables memory-mapped: only looked-up rows are ever read")
     g.add_argument("--max-context", type=count, default=DEFAULT_MAX_CONTEXT, metavar="N",
@@ -324,7 +327,8 @@ def load_model(path: Path, args, batch_size: int, parallel=None):
     the progress)."""
     device = _device(args) if parallel is None else rank_device(parallel, _device(args))
     runtime = RuntimeConfig(max_batch_size=batch_size, max_seq_len=args.max_context, device=device,
-                            dtype=args.dtype, numerics=args.numerics, kernels=args.kernels)
+                            dtype=args.dtype, numerics=args.numerics, kernels=args.kernels,
+                            stored_experts=args.stored_experts)
     driver = parallel is None or parallel.is_driver
     show = (lambda plan: _note("\n".join(plan.lines()))) if args.show_plan and driver else None
     extra = {} if parallel is None else {"parallel": parallel, "progress": None if driver else False}

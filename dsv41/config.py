@@ -364,6 +364,10 @@ class RuntimeConfig:
     """Largest tensor the indexer may allocate while scoring a call (it works in chunks to stay within it)."""
     stale_index_keys: bool = False
     """Reproduce the reference's stale index-key slot (docs/ARCHITECTURE.md §17 trap 15); off by default."""
+    stored_experts: bool = False
+    """Fast numerics on the CPU: hold fp4 routed experts in their stored bytes (a quarter of the memory)
+    and decode them inside the expert kernels; the results are the dequantised experts' bits
+    (docs/NUMERICS.md N30). Reference numerics hold every weight stored already."""
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size > 0, f"max_batch_size must be positive, got {self.max_batch_size}")
@@ -375,6 +379,8 @@ class RuntimeConfig:
         _check(self.dtype in ("bfloat16", "float32"), f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
         if self.numerics == "reference":
             _check(self.dtype == "bfloat16", "numerics='reference' runs in bfloat16; use numerics='fast' for float32")
+            _check(not self.stored_experts, "stored_experts is for numerics='fast': reference numerics hold every "
+                                            "weight in its stored format already")
 
     @property
     def torch_dtype(self):
@@ -385,4 +391,5 @@ class RuntimeConfig:
     def numerics_policy(self):
         """The `Numerics` object every module of a model built with this runtime shares."""
         from .model.numerics import Numerics
-        return Numerics.for_device(self.numerics, self.kernels, self.device, self.dtype)
+        return Numerics.for_device(self.numerics, self.kernels, self.device, self.dtype,
+                                   stored_experts=self.stored_experts)

@@ -60,12 +60,13 @@ def weight_shapes(in_features: int, out_features: int, storage: str) -> tuple[tu
     return (out_features, in_features), None
 
 
-def stored_dtypes(storage: str, numerics: Numerics, compute_dtype: torch.dtype
+def stored_dtypes(storage: str, numerics: Numerics, compute_dtype: torch.dtype, keep_stored: bool = False
                   ) -> tuple[torch.dtype, torch.dtype | None]:
-    """(weight dtype, scale dtype or None) a module holds for a given storage and numerics policy."""
+    """(weight dtype, scale dtype or None) a module holds for a given storage and numerics policy;
+    `keep_stored`: an fp4 weight stays stored under fast numerics too (stored routed experts)."""
     if storage == "fp8" and numerics.quantized:
         return torch.float8_e4m3fn, torch.float8_e8m0fnu
-    if storage == "fp4" and numerics.quantized:
+    if storage == "fp4" and (numerics.quantized or keep_stored):
         return torch.int8, torch.float8_e8m0fnu
     if storage == "fp32":
         return torch.float32, None

@@ -17,6 +17,9 @@ numerics policy's `experts` choice:
   nearly all busy (a batch of decode rows) runs as one zero-padded batched product per projection;
 - "grouped" (fast numerics on accelerators): one grouped GEMM per projection over the pairs sorted by
   expert, with group offsets on the device (no per-expert host synchronisation, STYLE.md P7).
+Under fast numerics with `stored_experts` the fp4 banks stay in their stored bytes: the native kernel
+decodes each tile of rows as it multiplies, and the torch path dequantises one expert at a time, into
+the values a held bank has, so the results keep the held bank's bits (docs/NUMERICS.md N30).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import nn
 
 from .layers import Linear, quantized_linear, quantized_pairs, stored_dtypes, weight_shapes
 from .numerics import Numerics
+from ..config import ConfigError
 from ..parallel.context import ParallelContext
 
 # Routing weights are normalised with their own constant, not norm_eps (§13, trap 3).
@@ -103,10 +107,10 @@ class StackedWeight(nn.Module):
     """E matrices [out, in] in one storage format: `weight [E, …]` and, if quantised, `scale [E, …]`."""
 
     def __init__(self, n_experts: int, in_features: int, out_features: int, storage: str, *, numerics: Numerics,
-                 device=None, dtype=torch.bfloat16):
+                 device=None, dtype=torch.bfloat16, keep_stored: bool = False):
         super().__init__()
         self.storage, self.in_features, self.out_features = storage, in_features, out_features
-        w_dtype, s_dtype = stored_dtypes(storage, numerics, dtype)
+        w_dtype, s_dtype = stored_dtypes(storage, numerics, dtype, keep_stored)
         w_shape, s_shape = weight_shapes(in_features, out_features, storage)
         if s_dtype is None:
             w_shape = (out_features, in_features)
@@ -129,6 +133,13 @@ class StackedWeight(nn.Module):
             out += beside.out_features
         return quantized_pairs(x, weight, scale, self.storage, out, numerics)
 
+    def held(self, expert: int, numerics: Numerics, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s matrix [out, in] in the compute dtype: the held bank's row in place, or a
+        stored one dequantised (fast numerics' stored experts)."""
+        if self.scale is None:
+            return self.weight[expert]
+        return numerics.expert_matrix(self.weight[expert], self.scale[expert], dtype)
+
     def apply(self, x: torch.Tensor, expert: int, numerics: Numerics) -> torch.Tensor:
         """x [m, in] through expert `expert`: the quantised blockwise GEMM (bf16 out) or one matmul."""
         if self.scale is not None:
@@ -146,15 +157,24 @@ class RoutedExperts(nn.Module):
         super().__init__()
         kw = dict(numerics=numerics, device=device, dtype=dtype)
         self.n_experts, self.numerics, self.swiglu_limit = n_experts, numerics, swiglu_limit
-        self.partial = partial
+        self.partial, self.dtype = partial, dtype
+        # fp4 banks held in their stored bytes under fast numerics (computed as if dequantised to dtype)
+        self.stored = numerics.stored_experts and storage == "fp4" and not numerics.quantized
+        kw["keep_stored"] = self.stored
         self.w1 = StackedWeight(n_experts, dim, inter_dim, storage, **kw)
         self.w2 = StackedWeight(n_experts, inter_dim, dim, storage, **kw)
         self.w3 = StackedWeight(n_experts, dim, inter_dim, storage, **kw)
 
+    def _native(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """The policy's native routed experts of these banks (stored ones with their scales), or None."""
+        scales = (self.w1.scale, self.w3.scale, self.w2.scale) if self.stored else None
+        return self.numerics.routed_experts(x, ids, weights, self.w1.weight, self.w3.weight, self.w2.weight,
+                                            self.swiglu_limit, shared=shared, scales=scales, dtype=self.dtype)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [n, D], weights/ids [n, A] (local expert ids, −1 = not on this rank) → Σ_pairs out [n, D] fp32."""
-        out = self.numerics.routed_experts(x, ids, weights, self.w1.weight, self.w3.weight, self.w2.weight,
-                                           self.swiglu_limit)
+        out = self._native(x, weights, ids)
         if out is not None:
             return out
         n, A = ids.shape
@@ -186,9 +206,7 @@ class RoutedExperts(nn.Module):
         the same bits), in one native call where the policy takes both; else None."""
         if shared.w1.quantized or shared.swiglu_limit != self.swiglu_limit:
             return None
-        held = (shared.w1.weight, shared.w3.weight, shared.w2.weight)
-        return self.numerics.routed_experts(x, ids, weights, self.w1.weight, self.w3.weight, self.w2.weight,
-                                            self.swiglu_limit, shared=held)
+        return self._native(x, weights, ids, shared=(shared.w1.weight, shared.w3.weight, shared.w2.weight))
 
     def _finish(self, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # the routing weight multiplies before w2, so it passes through w2's activation QDQ (trap 17)
@@ -201,10 +219,14 @@ class RoutedExperts(nn.Module):
         spans = [(e, start, end) for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)) if end > start]
         if not spans:                                   # expert parallelism: no pair is this rank's
             return x.new_zeros(x.shape[0], self.w2.out_features)
-        if self.w1.scale is None and not self._recording(x):
+        if self.stored and self._recording(x):
+            raise ConfigError("stored experts have no backward (their products are written in place): "
+                              "train with stored_experts=False")
+        if (self.w1.scale is None or self.stored) and not self._recording(x):
             most = max(end - start for _, start, end in spans)
             busy = self.n_experts * most <= PADDED_ROWS_PER_PAIR * x.shape[0]
-            if not self.numerics.invariant and busy and most <= PADDED_MOST_ROWS:
+            # the padded product reads the whole bank in place: not from stored bytes
+            if not self.numerics.invariant and busy and most <= PADDED_MOST_ROWS and not self.stored:
                 return self._padded(x, spans, w, most)
             return self._held(x, spans, w)
         out = x.new_zeros(x.shape[0], self.w2.out_features)
@@ -225,17 +247,21 @@ class RoutedExperts(nn.Module):
         written in place into one result per projection, and the SwiGLU once over all pairs
         (elementwise, so each pair's values are its expert's): about half the torch ops of the loop
         above for a decode step."""
-        x = x.to(self.w1.weight.dtype)
-        w1, w3, w2 = (bank.weight.transpose(1, 2) for bank in (self.w1, self.w3, self.w2))     # [E, in, out]
+        dtype = self.dtype if self.stored else self.w1.weight.dtype
+        x = x.to(dtype)
+
+        def matrix(bank: StackedWeight, e: int) -> torch.Tensor:                                # [in, out]
+            return bank.held(e, self.numerics, dtype).transpose(0, 1)
+
         gate, up = x.new_empty(2, x.shape[0], self.w1.out_features).unbind(0)
         for e, start, end in spans:
             rows = x[start:end]
-            self.numerics.matmul_into(rows, w1[e], gate[start:end])
-            self.numerics.matmul_into(rows, w3[e], up[start:end])
+            self.numerics.matmul_into(rows, matrix(self.w1, e), gate[start:end])
+            self.numerics.matmul_into(rows, matrix(self.w3, e), up[start:end])
         h = self._finish(gate, up, w, x.dtype)
         out = x.new_empty(x.shape[0], self.w2.out_features)
         for e, start, end in spans:
-            self.numerics.matmul_into(h[start:end], w2[e], out[start:end])
+            self.numerics.matmul_into(h[start:end], matrix(self.w2, e), out[start:end])
         return out
 
     def _padded(self, x: torch.Tensor, spans: list[tuple[int, int, int]], w: torch.Tensor, most: int) -> torch.Tensor:

@@ -50,6 +50,10 @@ One frozen object, built from the runtime config and passed to every module (STY
     `NATIVE_EXPERT_PAIRS` (token, expert) pairs, a decode step's sparse attention, index scores and
     RMSNorms, run in C, outside autograd only (the kernels have no backward);
   - both: the hyper-connection mixes, RoPE and the tie-ruled top-k (N13, N15, N16).
+- `stored_experts` (fast numerics on the CPU, from `RuntimeConfig.stored_experts`): fp4 routed experts
+  stay in their stored bytes; the native expert kernel decodes each tile of rows just before its
+  products, and the torch path dequantises one expert at a time, so every result has the bits of the
+  experts held dequantised (docs/NUMERICS.md N30).
 - `triton` (fast numerics with BLAS kernels on CUDA, set by `for_device` where Triton imports):
   the hyper-connection split, Sinkhorn included, in one launch instead of ~120 (`gpu_kernels.py`;
   docs/NUMERICS.md N28).
@@ -124,6 +128,7 @@ class Numerics:
     cpu_kernels: bool = False
     native: bool = False
     triton: bool = False
+    stored_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -141,6 +146,10 @@ class Numerics:
             # product sums in its own order (fast numerics' licence): neither fits a mixed policy
             raise ConfigError(f"the native kernels compute reference numerics with invariant kernels or fast "
                               f"numerics with BLAS kernels, not {self.mode}/{self.kernels}")
+        if self.stored_experts and (self.quantized or self.experts != "loop"):
+            # reference numerics hold them stored anyway; the grouped GEMM multiplies held banks
+            raise ConfigError(f"stored experts are for fast numerics with the expert loop, not "
+                              f"{self.mode} numerics with {self.experts} experts")
         for kind, chosen in (("CPU", self.cpu_kernels), ("Triton", self.triton)):
             if chosen and (self.quantized or self.invariant):
                 raise ConfigError(f"the {kind} kernels sum in their own order: fast numerics with BLAS kernels only, "
@@ -153,13 +162,22 @@ class Numerics:
         return cls(mode, "invariant" if mode == "reference" else "blas")
 
     @classmethod
-    def for_device(cls, mode: str, kernels: str | None, device: str, dtype: str = "bfloat16") -> "Numerics":
+    def for_device(cls, mode: str, kernels: str | None, device: str, dtype: str = "bfloat16", *,
+                   stored_experts: bool = False) -> "Numerics":
         """The policy of a model on `device`: kernels as given (None: `default`); reference numerics with
         invariant kernels on the CPU take the native blockwise GEMM where it builds; when fast numerics
         run BLAS kernels, the grouped expert GEMM on accelerators in bf16 (their grouped kernels take
-        bf16) and the CPU kernels on the CPU, with the native dense product where it builds."""
+        bf16) and the CPU kernels on the CPU, with the native dense product where it builds.
+        `stored_experts` (fast numerics, CPU or meta only) keeps fp4 routed experts stored."""
         policy = cls.default(mode) if kernels is None else cls(mode, kernels)
         kind = torch.device(device).type
+        if stored_experts:
+            if kind not in ("cpu", "meta"):
+                raise ConfigError(f"stored experts are decoded by the CPU kernels; on {device} hold them "
+                                  "dequantised (stored_experts=False)")
+            plain = cls.for_device(mode, kernels, device, dtype)
+            return cls(plain.mode, plain.kernels, plain.experts, plain.cpu_kernels, plain.native, plain.triton,
+                       stored_experts=True)
         if policy.quantized and policy.invariant and kind == "cpu" and native.available():
             return cls(policy.mode, policy.kernels, native=True)
         if policy.quantized or policy.invariant:
@@ -453,12 +471,15 @@ class Numerics:
     def routed_experts(self, x: torch.Tensor, ids: torch.Tensor | None, weights: torch.Tensor | None,
                        w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
                        into: torch.Tensor | None = None,
-                       shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-        """Fast numerics' native routed experts of a few tokens (moe.py `RoutedExperts`, held banks):
-        fp32 [n, D] (added into `into` when given; ids None: every token on expert 0, `native.routed_experts`),
-        or None where the policy leaves them to the layer's torch path. `shared` (the shared expert's held
+                       shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                       scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                       dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """Fast numerics' native routed experts of a few tokens (moe.py `RoutedExperts`): fp32 [n, D]
+        (added into `into` when given; ids None: every token on expert 0, `native.routed_experts`), or
+        None where the policy leaves them to the layer's torch path. `shared` (the shared expert's held
         w1, w3, w2): its output added in the same call, where `dense_swiglu` would take it (x in the
-        weights' dtype, few rows), else None: the layer adds it itself."""
+        weights' dtype, few rows), else None: the layer adds it itself. `scales` (stored experts): the
+        banks are fp4 bytes with these ue8m0 scales, computed as if held in `dtype`."""
         pairs = x.shape[0] if ids is None else ids.numel()
         if not (self.native and not self.quantized and x.is_cpu and pairs <= NATIVE_EXPERT_PAIRS):
             return None
@@ -466,7 +487,18 @@ class Numerics:
             return None
         if shared is not None and not self._shared_rows(x, shared[0]):
             return None
-        return native.routed_experts(x, ids, weights, w1, w3, w2, limit, into=into, shared=shared)
+        return native.routed_experts(x, ids, weights, w1, w3, w2, limit, into=into, shared=shared, scales=scales,
+                                     dtype=dtype)
+
+    def expert_matrix(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """One stored fp4 expert matrix (int8 [out, in/2], ue8m0 [out, in/32]) dequantised to `dtype`:
+        the values a held bank has (the loader's cast of formats.dequantize_fp4_weight), natively in one
+        threaded pass where the library builds."""
+        if self.native and weight.is_cpu:
+            out = native.fp4_rows(weight, scale, dtype)
+            if out is not None:
+                return out
+        return formats.dequantize_fp4_weight(weight, scale).to(dtype)
 
     def _shared_rows(self, x: torch.Tensor, w1: torch.Tensor) -> bool:
         """Whether the native kernel takes the shared expert of x's rows: few of them, in the weight's

@@ -175,8 +175,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_index_scores.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
     experts = lib.dsv41_routed_experts
     experts.restype = ctypes.c_int
-    experts.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 9
+    experts.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 12
                         + [ctypes.c_int, ctypes.c_void_p])
+    lib.dsv41_fp4_rows.restype = None
+    lib.dsv41_fp4_rows.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3
     return lib
 
 
@@ -490,24 +492,38 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor | None, weights: torch.Tensor | None, w1: torch.Tensor,
                    w3: torch.Tensor, w2: torch.Tensor, limit: float, into: torch.Tensor | None = None,
-                   shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+                   shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """Σ over each token's chosen experts of w2 · (SwiGLU(w1 · x, w3 · x) · weight), fp32 [n, D], for CPU
     tensors: x [n, D], ids [n, A] (negative: not this rank's), weights [n, A], banks w1, w3 [E, I, D] and
     w2 [E, D, I] of one dtype (bf16 or fp32), held contiguous (2-d: one expert). ids and weights None:
     every token through expert 0 at weight 1. `into` (fp32 [n, D], contiguous): the sum is added to it,
     in place, and it is returned. `shared` (w1, w3 [I, D], w2 [D, I] in the banks' dtype, contiguous): the
-    shared expert too, every token at weight 1, added after its routed experts (moe.py's order). None
-    where the kernel is not available or does not take the call."""
+    shared expert too, every token at weight 1, added after its routed experts (moe.py's order).
+    `scales` (ue8m0 [E, I, D/32], [E, I, D/32], [E, D, I/32]): the banks are stored fp4 bytes (int8
+    [E, I, D/2], [E, I, D/2], [E, D, I/2]), computed as the banks dequantised to `dtype` (bf16 or fp32)
+    would be, with the same bits (gemv.c `fp4_rows`). None where the kernel is not available or does
+    not take the call."""
     lib = _library()
-    banks = (w1, w3, w2) if shared is None else (w1, w3, w2, *shared)
-    if lib is None or not all(w.is_contiguous() and w.dtype == w1.dtype for w in banks):
+    held = w1.dtype if scales is None else dtype
+    banks = (w1, w3, w2) + (() if scales is None else scales)
+    if lib is None or not all(w.is_contiguous() for w in banks + (shared or ())):
         return None
-    if w1.dtype not in (torch.bfloat16, torch.float32):
+    if held not in (torch.bfloat16, torch.float32) or shared is not None and any(w.dtype != held for w in shared):
+        return None
+    if scales is None and not all(w.dtype == held for w in banks):
+        return None
+    if scales is not None and not (all(w.dtype == torch.int8 for w in (w1, w3, w2)) and w1.dim() == 3):
         return None
     if into is not None and not (into.dtype == torch.float32 and into.is_contiguous() and into.shape == x.shape):
         return None
     x = x.contiguous() if x.dtype in (torch.bfloat16, torch.float32) else x.float().contiguous()
     n, (E, I, D) = x.shape[0], (w1.shape if w1.dim() == 3 else (1, *w1.shape))
+    if scales is not None:
+        D *= 2
+        if D % 32 or I % 32 or [tuple(c.shape) for c in scales] != [(E, I, D // 32), (E, I, D // 32), (E, D, I // 32)]:
+            return None
     A, ids_ptr, weights_ptr, shared_ptrs = 1, None, None, (None, None, None)
     if ids is not None:
         ids, weights = ids.to(torch.int64).contiguous(), weights.float().contiguous()
@@ -518,11 +534,29 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor | None, weights: torch.Ten
         shared_ptrs = tuple(w.data_ptr() for w in shared)
     out = torch.empty(n, D, dtype=torch.float32) if into is None else into
     threads = torch.get_num_threads() if n * A * I * D >= GEMV_THREAD_FROM else 1
-    status = lib.dsv41_routed_experts(n, A, E, D, I, w1.dtype == torch.bfloat16, x.dtype == torch.bfloat16,
+    scale_ptrs = (None, None, None) if scales is None else tuple(c.data_ptr() for c in scales)
+    status = lib.dsv41_routed_experts(n, A, E, D, I, held == torch.bfloat16, x.dtype == torch.bfloat16,
                                       limit, threads, x.data_ptr(), ids_ptr, weights_ptr,
-                                      w1.data_ptr(), w3.data_ptr(), w2.data_ptr(), *shared_ptrs,
+                                      w1.data_ptr(), w3.data_ptr(), w2.data_ptr(), *shared_ptrs, *scale_ptrs,
                                       into is not None, out.data_ptr())
     return out if status == 0 else None
+
+
+def fp4_rows(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """A stored fp4 matrix (int8 [..., out, in/2], ue8m0 [..., out, in/32]) dequantised to `dtype` (bf16 or
+    fp32) in one threaded pass: formats.dequantize_fp4_weight's values cast to `dtype`, the same bits. None
+    where the kernel is not available or does not take the call."""
+    lib = _library()
+    if lib is None or dtype not in (torch.bfloat16, torch.float32) or packed.dtype != torch.int8:
+        return None
+    K = packed.shape[-1] * 2
+    if K % 32 or tuple(scale.shape) != (*packed.shape[:-1], K // 32) or not (packed.is_contiguous() and scale.is_contiguous()):
+        return None
+    out = torch.empty(*packed.shape[:-1], K, dtype=dtype)
+    rows = packed.shape[:-1].numel()
+    threads = torch.get_num_threads() if rows * K >= GEMV_THREAD_FROM else 1
+    lib.dsv41_fp4_rows(rows, K, dtype == torch.bfloat16, threads, packed.data_ptr(), scale.data_ptr(), out.data_ptr())
+    return out
 
 
 def split_mixes(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, streams: int, iters: int,

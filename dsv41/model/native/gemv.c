@@ -458,6 +458,99 @@ int dsv41_gemv_exact_kn(int64_t P, int64_t M, int64_t N, int64_t K, int threads,
     return failed ? -1 : 0;
 }
 
+/* Packed e2m1 rows (two values a byte, low nibble first) with one ue8m0 scale per 32 values, decoded into
+ * the banks' compute dtype: code value · 2^(s − 127) in fp32 (s = 255: NaN), formats.dequantize_fp4_weight's
+ * product, which the loader then casts. A 2-bit significand times a power of two within fp32's range is
+ * exact in bf16, normal or not, so the cast is the float's upper half (rounding would change nothing). */
+#define FP4_PREFETCH 2048
+
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static inline float e8m0_value(uint8_t s) {
+    const uint32_t u = s == 255 ? 0x7fc00000u : s == 0 ? 0x00400000u : (uint32_t)s << 23;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* One block of 32 values by the float product, for any scale. */
+static inline void fp4_block(const uint8_t *src, uint8_t scale, int bf16, void *out) {
+    const float s = e8m0_value(scale);
+    for (int j = 0; j < 32; j++) {
+        const float v = E2M1[(src[j / 2] >> (4 * (j & 1))) & 15] * s;
+        uint32_t u;
+        memcpy(&u, &v, sizeof u);
+        if (bf16) ((uint16_t *)out)[j] = (uint16_t)(u >> 16);
+        else ((float *)out)[j] = v;
+    }
+}
+
+#if defined(__AVX512BW__)
+/* The codes' bf16 values at scale 1 (2^0): the scale then adds (s − 127) to the exponent field of every
+ * nonzero code. Exact wherever every result stays a normal bf16: the codes' exponents span 126 … 129, so
+ * for s in 2 … 252 (FP4_WIDE_SCALE); other scales take the float product (`fp4_block`). */
+static const uint16_t E2M1_BF16[32] = {0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
+                                       0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
+                                       0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
+                                       0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
+/* The table's entries of nonzero magnitude (codes 0 and 8 are ±0 at any scale). */
+#define E2M1_NONZERO 0xfefefefeu
+#define FP4_WIDE_SCALE(s) ((s) >= 2 && (s) <= 252)
+
+/* 16 bytes of codes → their 32 bf16 values (K order) at scale byte s (FP4_WIDE_SCALE): byte i becomes the
+ * 32-bit lane b | b << 12, whose low word indexes the table by b's low 5 bits (the table repeats past 16,
+ * so the high nibble's low bit does not matter) and whose high word is b >> 4. */
+static inline __m512i fp4_values(const uint8_t *bytes16, uint8_t s, __m512i table) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes16));
+    const __m512i codes = _mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12));
+    const __m512i scaled = _mm512_mask_add_epi16(table, E2M1_NONZERO, table, _mm512_set1_epi16((int16_t)((s - 127) * 128)));
+    return _mm512_permutexvar_epi16(codes, scaled);
+}
+#endif
+
+/* rows × K values from packed [rows, K/2] and scale [rows, K/32] (K a multiple of 32) into out [rows, K]. */
+static void fp4_rows(int64_t rows, int64_t K, int bf16, const uint8_t *packed, const uint8_t *scale, void *out) {
+    const size_t width = bf16 ? 2 : 4;
+#if defined(__AVX512BW__)
+    const __m512i table = _mm512_loadu_si512(E2M1_BF16);
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *src = packed + r * (K / 2), *sc = scale + r * (K / 32);
+        for (int64_t b = 0; b < K / 32; b++) {
+            char *dst = (char *)out + (size_t)(r * K + b * 32) * width;
+            /* a tile's rows follow each other in the bank, and the next tile's after them: the stream's
+             * lines are asked for FP4_PREFETCH bytes ahead, since decoding keeps fewer loads in flight */
+            if (b % 4 == 0) _mm_prefetch((const char *)(src + b * 16) + FP4_PREFETCH, _MM_HINT_T0);
+#if defined(__AVX512BW__)
+            if (FP4_WIDE_SCALE(sc[b])) {
+                const __m512i v = fp4_values(src + b * 16, sc[b], table);
+                if (bf16) {
+                    _mm512_storeu_si512(dst, v);
+                } else {
+                    _mm512_storeu_si512(dst, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+                    _mm512_storeu_si512(dst + 64, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+                }
+                continue;
+            }
+#endif
+            fp4_block(src + b * 16, sc[b], bf16, dst);
+        }
+    }
+}
+
+/* `fp4_rows` of a whole stored matrix, split over threads by rows (the torch path's dequantised expert). */
+void dsv41_fp4_rows(int64_t rows, int64_t K, int bf16, int threads, const uint8_t *packed, const uint8_t *scale,
+                    void *out) {
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const Span span = thread_span(rows);
+        const size_t width = bf16 ? 2 : 4;
+        fp4_rows(span.end - span.begin, K, bf16, packed + span.begin * (K / 2), scale + span.begin * (K / 32),
+                 (char *)out + (size_t)(span.begin * K) * width);
+    }
+}
+
 /* The routed experts of a few tokens (moe.py `RoutedExperts`), fast numerics: every (token, expert)
  * pair's SwiGLU, its routing weight and its down projection, summed per token in ascending expert
  * order, in one call instead of a sort, a gather and three products per expert as torch ops.
@@ -468,7 +561,10 @@ int dsv41_gemv_exact_kn(int64_t P, int64_t M, int64_t N, int64_t K, int threads,
  * the hidden h = silu(min(g, limit)) · clamp(u, ±limit) · weight (limit ≤ 0: no clamp) and each pair's
  * output round to the banks' dtype; the products sum in this kernel's own order. With `accumulate` the
  * pairs' outputs add to what `out` holds (the shared expert onto the routed sum, the order the layer
- * adds them in) instead of to zero. s1, s3 [I, D] and s2 [D, I] (NULL: none): the shared expert, in the
+ * adds them in) instead of to zero. c1, c3, c2 (NULL: banks held in the compute dtype): the banks are the
+ * stored fp4 bytes, w1, w3 [E, I, D/2] and w2 [E, D, I/2], with their ue8m0 scales c1, c3 [E, I, D/32] and
+ * c2 [E, D, I/32]; each tile's rows are decoded into the compute dtype (`fp4_rows`, the values a held bank
+ * has) just before the tile reads them, so the sums, and the bits, are the held bank's (N30). s1, s3 [I, D] and s2 [D, I] (NULL: none): the shared expert, in the
  * banks' dtype, as one more expert after the last: every token through it at weight 1, its output added
  * after the token's routed ones (moe.py's `y + shared`, the same bits as a second call accumulating).
  * Pairs of one expert run together, up to MAX_ROWS at a time, so each chosen expert's weights are read once.
@@ -513,10 +609,79 @@ static inline const void *expert_weight(const void *w, const void *s, int64_t e,
     return e == E ? s : (const void *)((const char *)w + (size_t)(e * size) * ww);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* `tile_dot_bf16`'s streaming order over TILE stored fp4 rows (w[i]: K/2 bytes, c[i]: K/32 scale bytes,
+ * every scale FP4_WIDE_SCALE, K a multiple of 32), each 32 values decoded in registers just before their
+ * dot products: the same vectors in the same order, so the same bits as the rows held in bf16. */
+static inline __attribute__((always_inline)) void tile_dot_fp4(int R, const uint16_t *const x[TILE], int64_t K,
+                                                               const uint8_t *const w[TILE], const uint8_t *const c[TILE],
+                                                               float acc[TILE][TILE]) {
+    const __m512i table = _mm512_loadu_si512(E2M1_BF16);
+    __m512 s[TILE][TILE];
+    for (int i = 0; i < TILE; i++) {
+        __m512 t[TILE];
+        for (int r = 0; r < R; r++) t[r] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32) {
+            if (k % 128 == 0) _mm_prefetch((const char *)(w[i] + k / 2) + FP4_PREFETCH, _MM_HINT_T0);
+            const __m512bh v = (__m512bh)fp4_values(w[i] + k / 2, c[i][k / 32], table);
+            for (int r = 0; r < R; r++) t[r] = _mm512_dpbf16_ps(t[r], (__m512bh)_mm512_loadu_si512(x[r] + k), v);
+        }
+        for (int r = 0; r < R; r++) s[r][i] = t[r];
+    }
+    for (int r = 0; r < R; r++) _mm_storeu_ps(acc[r], lane_sums4(s[r][0], s[r][1], s[r][2], s[r][3]));
+}
+#endif
+
+/* `expert_tile` of a stored bank (w [E, rows, K/2] bytes, c [E, rows, K/32] scales), expert e's rows j0 …
+ * j0 + TILE − 1: a few activation rows (a decode step) with bf16 dot products decode in registers
+ * (`tile_dot_fp4`); otherwise the tile's rows are decoded into `scratch` once and `expert_tile` reads them
+ * there, pass after pass. Either way the held bank's bits. */
+static void stored_tile(int dot, const void *xs, int64_t m, int64_t K, const uint8_t *w, const uint8_t *c, int64_t e,
+                        int64_t rows, int64_t j0, int w_bf16, void *scratch, float acc[MAX_ROWS][TILE]) {
+    const int64_t n = rows - j0 < TILE ? rows - j0 : TILE, at = e * rows + j0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    int wide = dot && m <= TILE;
+    for (int64_t q = 0; wide && q < n * (K / 32); q++) wide = FP4_WIDE_SCALE(c[at * (K / 32) + q]);
+    if (wide) {
+        const uint8_t *wr[TILE], *cr[TILE];
+        const uint16_t *x[TILE];
+        for (int i = 0; i < TILE; i++) {
+            const int64_t row = at + (i < n ? i : n - 1);
+            wr[i] = w + row * (K / 2);
+            cr[i] = c + row * (K / 32);
+        }
+        for (int r = 0; r < TILE; r++) x[r] = (const uint16_t *)xs + (r < m ? r : 0) * K;
+        float part[TILE][TILE];
+        switch (m) {
+            case 1: tile_dot_fp4(1, x, K, wr, cr, part); break;
+            case 2: tile_dot_fp4(2, x, K, wr, cr, part); break;
+            case 3: tile_dot_fp4(3, x, K, wr, cr, part); break;
+            default: tile_dot_fp4(4, x, K, wr, cr, part); break;
+        }
+        for (int64_t r = 0; r < m; r++) memcpy(acc[r], part[r], sizeof part[r]);
+        return;
+    }
+#endif
+    fp4_rows(n, K, w_bf16, w + at * (K / 2), c + at * (K / 32), scratch);
+    expert_tile(dot, xs, m, K, scratch, 0, n, w_bf16, acc);
+}
+
+/* A tile of expert e's matrix (`rows` × K, from row j0) against the group's activation rows: the held
+ * bank in place (the shared expert, e = E, always is), or a stored one. */
+static inline void bank_tile(int dot, const void *xs, int64_t m, int64_t K, const void *w, const void *s,
+                             const uint8_t *c, int64_t e, int64_t E, int64_t rows, int64_t j0, int w_bf16,
+                             void *scratch, float acc[MAX_ROWS][TILE]) {
+    if (c == NULL || e == E)
+        expert_tile(dot, xs, m, K, expert_weight(w, s, e, E, rows * K, w_bf16 ? 2 : 4), j0, rows, w_bf16, acc);
+    else
+        stored_tile(dot, xs, m, K, (const uint8_t *)w, c, e, rows, j0, w_bf16, scratch, acc);
+}
+
 int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, int w_bf16, int x_bf16, float limit, int threads,
                          const void *x, const int64_t *ids, const float *weights,
                          const void *w1, const void *w3, const void *w2, const void *s1, const void *s3,
-                         const void *s2, int accumulate, float *out) {
+                         const void *s2, const uint8_t *c1, const uint8_t *c3, const uint8_t *c2, int accumulate,
+                         float *out) {
     const int shared = s1 != NULL;
     const int64_t pairs_max = n * A + (shared ? n : 0);
     for (int64_t q = 0; q < n * A; q++)
@@ -531,8 +696,11 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
     int64_t *group = malloc((size_t)(pairs_max + 1) * sizeof(int64_t));  /* first pair of each group */
     float *gate = malloc((size_t)(pairs_max * (2 * I + D) + 1) * sizeof(float));
     void *xg = malloc((size_t)(pairs_max * (D + I) + 1) * xw);          /* the pairs' x rows, then their h rows */
-    if (pair == NULL || group == NULL || gate == NULL || xg == NULL) {
-        free(pair); free(group); free(gate); free(xg);
+    /* a stored bank's decoded tile, one per thread */
+    const int64_t widest = D > I ? D : I;
+    char *scratch = c1 != NULL ? malloc((size_t)(threads * TILE * widest) * ww) : NULL;
+    if (pair == NULL || group == NULL || gate == NULL || xg == NULL || (c1 != NULL && scratch == NULL)) {
+        free(pair); free(group); free(gate); free(xg); free(scratch);
         return -1;
     }
     int64_t P = 0;
@@ -569,14 +737,15 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float acc[MAX_ROWS][TILE];
+        void *tile = scratch != NULL ? scratch + (size_t)(thread_span(0).index * TILE * widest) * ww : NULL;
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < G * I_tiles; r++) {          /* gate and up: TILE rows of w1 and w3 */
             const int64_t g = r / I_tiles, i0 = (r % I_tiles) * TILE, p0 = group[g], m = group[g + 1] - p0, e = pair[2 * p0];
             const void *xs = (const char *)xg + (size_t)(p0 * D) * xw;
-            expert_tile(dot, xs, m, D, expert_weight(w1, s1, e, E, I * D, ww), i0, I, w_bf16, acc);
+            bank_tile(dot, xs, m, D, w1, s1, c1, e, E, I, i0, w_bf16, tile, acc);
             for (int64_t k = 0; k < m; k++)
                 for (int64_t j = 0; j < TILE && i0 + j < I; j++) gate[(p0 + k) * I + i0 + j] = round_to(acc[k][j], w_bf16);
-            expert_tile(dot, xs, m, D, expert_weight(w3, s3, e, E, I * D, ww), i0, I, w_bf16, acc);
+            bank_tile(dot, xs, m, D, w3, s3, c3, e, E, I, i0, w_bf16, tile, acc);
             for (int64_t k = 0; k < m; k++)
                 for (int64_t j = 0; j < TILE && i0 + j < I; j++) up[(p0 + k) * I + i0 + j] = round_to(acc[k][j], w_bf16);
         }
@@ -596,7 +765,7 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < G * D_tiles; r++) {          /* down: TILE rows of w2 */
             const int64_t g = r / D_tiles, d0 = (r % D_tiles) * TILE, p0 = group[g], m = group[g + 1] - p0, e = pair[2 * p0];
-            expert_tile(dot, hg + (size_t)(p0 * I) * xw, m, I, expert_weight(w2, s2, e, E, D * I, ww), d0, D, w_bf16, acc);
+            bank_tile(dot, hg + (size_t)(p0 * I) * xw, m, I, w2, s2, c2, e, E, D, d0, w_bf16, tile, acc);
             for (int64_t k = 0; k < m; k++)
                 for (int64_t j = 0; j < TILE && d0 + j < D; j++) y[(p0 + k) * D + d0 + j] = round_to(acc[k][j], w_bf16);
         }
@@ -607,6 +776,6 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
             for (int64_t p = 0; p < P; p++) out[pair_token(pair[2 * p + 1], A) * D + d] += y[p * D + d];
         }
     }
-    free(pair); free(group); free(gate); free(xg);
+    free(pair); free(group); free(gate); free(xg); free(scratch);
     return 0;
 }

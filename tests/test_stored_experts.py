@@ -1,0 +1,182 @@
+"""Fast numerics with stored experts (docs/NUMERICS.md N30): fp4 routed experts held in their stored
+bytes compute the bits of the same experts held dequantised.
+
+- the decoder against formats.dequantize_fp4_weight cast to bf16 / fp32, for every (byte, scale) pair;
+- the native routed experts from stored banks against held banks, bit for bit: a decode step's few
+  rows per expert (decoded in registers), many rows (decoded once per tile), scales outside the range
+  the vector decode takes (the float product), the shared expert in the same call;
+- the trained demo loaded both ways: the same logits in a prefill, chunks, decode steps and a batch,
+  and the same engine completions; with the native library off too (the torch path dequantises one
+  expert at a time); a quarter of the expert bytes;
+- planted mistakes in the decoder are caught; the option's misuse gets one clear error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv41
+from dsv41.config import ConfigError, RuntimeConfig
+from dsv41.demo import TRAINED_DEMO
+from dsv41.model import formats, native
+from dsv41.model.numerics import Numerics
+from helpers import engine_run, run_chunks, token_ids
+from test_native import mutated_library
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler for the native kernels")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: the same bits, or both NaN."""
+    ints = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    return (a.view(ints) == b.view(ints)) | (a.isnan() & b.isnan())
+
+
+def every_pair() -> tuple[torch.Tensor, torch.Tensor]:
+    """Row s holds all 256 code bytes (512 values) under scale byte s: every (byte, scale) pair."""
+    packed = torch.arange(256, dtype=torch.uint8).view(torch.int8).repeat(256, 1)
+    scale = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 16).view(torch.float8_e8m0fnu)
+    return packed, scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_decoder_gives_the_dequantised_values_for_every_byte_and_scale(dtype):
+    packed, scale = every_pair()
+    got = native.fp4_rows(packed, scale, dtype)
+    want = formats.dequantize_fp4_weight(packed, scale).to(dtype)
+    assert same_bits(got, want).all()
+    # byte 1 is (1/2, 0) at 2^0; byte 0x7f is (−6, 6), at 2^1 (−12, 12): low nibble first
+    assert got[127, 2:4].tolist() == [0.5, 0.0] and got[128, 2 * 0x7f:2 * 0x80].tolist() == [-12.0, 12.0]
+
+
+def stored_case(n: int, A: int, E: int, D: int, I: int, seed: int, odd_scales: bool = False):
+    """x [n, D], ids/weights [n, A], and (stored banks with scales, the same banks held in bf16)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(n)])
+    ids[-1, -1] = -1                                             # another rank's pair
+    weights = torch.rand(n, A, generator=g)
+    stored = []
+    for shape in ((E, I, D), (E, I, D), (E, D, I)):
+        q, s = formats.quantize_fp4_weight(torch.randn(*shape, generator=g) * shape[-1] ** -0.5)
+        if odd_scales:
+            # blocks outside the vector decode's exponent range (scale bytes 0 and 1: values below the
+            # normal range; huge ones would overflow the sums); the rows' other blocks stay in it
+            raw = s.view(torch.uint8)
+            raw[:, ::3, 0], raw[:, 1::5, -1] = 1, 0
+        stored.append((q, s))
+    return x, ids, weights, stored
+
+
+def held_banks(stored, dtype=torch.bfloat16):
+    return [formats.dequantize_fp4_weight(q, s).to(dtype).contiguous() for q, s in stored]
+
+
+@pytest.mark.parametrize("n, odd_scales", [(1, False), (3, False), (12, False), (3, True), (12, True)])
+def test_stored_routed_experts_are_the_held_banks_bits(n, odd_scales):
+    # 12 tokens on 6 of 8 experts put more rows on an expert than a tile's activation rows
+    x, ids, weights, stored = stored_case(n, 6 if n == 12 else 3, 8, 128, 96, seed=n, odd_scales=odd_scales)
+    banks, scales = [q for q, _ in stored], tuple(s for _, s in stored)
+    shared = tuple(b[0].clone() for b in held_banks(stored))
+    for dtype in (torch.bfloat16, torch.float32):
+        held = held_banks(stored, dtype)
+        for extra in ({}, {"shared": tuple(t.to(dtype) for t in shared)}):
+            want = native.routed_experts(x.to(dtype), ids, weights, *held, 6.0, **extra)
+            got = native.routed_experts(x.to(dtype), ids, weights, *banks, 6.0, scales=scales, dtype=dtype, **extra)
+            assert torch.equal(got, want), (dtype, extra.keys())
+    assert not torch.equal(want, torch.zeros_like(want))
+
+
+@pytest.fixture(scope="module")
+def demo_pair():
+    """The trained demo loaded twice in fast bf16: experts held dequantised, and stored."""
+    def load(stored: bool):
+        return dsv41.load(TRAINED_DEMO, RuntimeConfig(max_seq_len=160, max_batch_size=3, numerics="fast",
+                                                      stored_experts=stored))
+    return load(False), load(True)
+
+
+def expert_bytes(model) -> int:
+    """Bytes of the main blocks' routed experts (the DSpark stages' are stored alike)."""
+    return sum(t.nbytes for name, t in model.state_dict().items() if name.startswith("layers.") and ".ffn.experts." in name)
+
+
+def test_stored_demo_holds_the_experts_stored_bytes(demo_pair):
+    held, stored = demo_pair
+    cfg = held.cfg
+    n = cfg.n_layers * cfg.n_routed_experts * 3 * cfg.dim * cfg.moe_inter_dim     # values in the banks
+    assert expert_bytes(held) == 2 * n
+    assert expert_bytes(stored) == n // 2 + n // 32                                # nibbles + a byte per 32
+    assert stored.layers[0].ffn.experts.w1.weight.dtype == torch.int8
+
+
+@torch.inference_mode()
+def test_stored_demo_gives_the_held_demos_logits_however_positions_are_fed(demo_pair):
+    held, stored = demo_pair
+    ids = token_ids(3, 48, held.cfg.vocab_size, seed=5)
+    for bounds in ([0, 48], [0, 20, 33, 48]):
+        (a, a_draft), (b, b_draft) = (run_chunks(m, ids, bounds) for m in demo_pair)
+        assert torch.equal(a, b) and torch.equal(a_draft, b_draft), bounds
+    caches = [m.new_cache(3, 160) for m in demo_pair]
+    for model, cache in zip(demo_pair, caches):
+        model(ids[:, :40], 0, cache)
+    for p in range(40, 48):                                      # decode steps of a 3-row batch
+        a, b = (m.logits(m(ids[:, p:p + 1], p, c).hidden[:, -1]) for m, c in zip(demo_pair, caches))
+        assert torch.equal(a, b), p
+
+
+@torch.inference_mode()
+def test_stored_demo_completes_as_the_held_demo_on_the_engine(demo_pair):
+    prompts = [token_ids(1, n, demo_pair[0].cfg.vocab_size, seed=n)[0].tolist() for n in (9, 30)]
+    held, stored = (engine_run(m, prompts, 12) for m in demo_pair)
+    assert [c.token_ids for c in held] == [c.token_ids for c in stored] and len(held[1].token_ids) == 12
+
+
+@torch.inference_mode()
+def test_without_the_native_library_stored_experts_give_the_same_bits(demo_pair, monkeypatch):
+    held, stored = demo_pair
+    ids = token_ids(2, 12, held.cfg.vocab_size, seed=9)
+    with_library = run_chunks(stored, ids, [0, 12])[0]
+    monkeypatch.setattr(native, "_library", lambda: None)          # every kernel takes its torch path
+    want = run_chunks(held, ids, [0, 12])[0]
+    assert torch.equal(run_chunks(stored, ids, [0, 12])[0], want)
+    assert not torch.equal(want, with_library)                       # the torch paths did run
+
+
+@pytest.mark.parametrize("old, new, check", [
+    # the vector decode: the scale's exponent one too high
+    ("(int16_t)((s - 127) * 128)", "(int16_t)((s - 126) * 128)", "experts"),
+    # its range: scale byte 1 (results below the normal range) taken by the exponent add
+    ("((s) >= 2 && (s) <= 252)", "((s) >= 1 && (s) <= 252)", "decoder"),
+    # the float product (scales outside the range): the two nibbles of a byte swapped
+    ("src[j / 2] >> (4 * (j & 1))", "src[j / 2] >> (4 * (~j & 1))", "decoder"),
+])
+def test_a_mutated_decoder_is_caught(old, new, check, tmp_path, monkeypatch):
+    lib = mutated_library("gemv.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        if check == "decoder":
+            test_the_decoder_gives_the_dequantised_values_for_every_byte_and_scale(torch.bfloat16)
+        else:
+            test_stored_routed_experts_are_the_held_banks_bits(1, False)
+
+
+def test_stored_experts_misuse_is_one_clear_error():
+    with pytest.raises(ConfigError, match="stored_experts is for numerics='fast'"):
+        RuntimeConfig(numerics="reference", stored_experts=True)
+    with pytest.raises(ConfigError, match="decoded by the CPU kernels; on cuda"):
+        Numerics.for_device("fast", None, "cuda", stored_experts=True)
+    with pytest.raises(ConfigError, match="fast numerics with the expert loop"):
+        Numerics("fast", "blas", "grouped", stored_experts=True)
+    assert Numerics.for_device("fast", None, "cpu", stored_experts=True).stored_experts
+
+
+def test_stored_experts_refuse_a_backward(demo_pair):
+    _, stored = demo_pair
+    experts = stored.layers[0].ffn.experts
+    x = torch.randn(3, stored.cfg.dim, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])[:, :stored.cfg.n_activated_experts]
+    weights = torch.ones(ids.shape)
+    with torch.enable_grad(), pytest.raises(ConfigError, match="no backward"):
+        experts(x, weights, ids)
