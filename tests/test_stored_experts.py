@@ -180,3 +180,22 @@ def test_stored_experts_refuse_a_backward(demo_pair):
     weights = torch.ones(ids.shape)
     with torch.enable_grad(), pytest.raises(ConfigError, match="no backward"):
         experts(x, weights, ids)
+
+
+def test_expert_parallel_ranks_load_their_stored_experts(demo_pair):
+    """Under expert parallelism each rank loads its experts' stored bytes and scales: the parts of two
+    ranks put back together are the one-process stored banks."""
+    from dsv41.checkpoint.model_io import load_model
+    from dsv41.parallel import ParallelContext
+
+    _, stored = demo_pair
+    whole = stored.state_dict()
+    runtime = RuntimeConfig(max_seq_len=64, numerics="fast", stored_experts=True)
+    parts = [load_model(TRAINED_DEMO, runtime, check_memory=False,
+                        parallel=ParallelContext(rank=r, world_size=2, tp_size=2, ep_size=2)).state_dict()
+             for r in range(2)]
+    names = [n for n in whole if n.startswith("layers.") and ".ffn.experts." in n]
+    assert len(names) == 6 * stored.cfg.n_layers                     # w1, w2, w3 and their scales
+    for name in names:
+        rebuilt = torch.cat([p[name] for p in parts])
+        assert rebuilt.dtype == whole[name].dtype and torch.equal(rebuilt.view(torch.uint8), whole[name].view(torch.uint8))
