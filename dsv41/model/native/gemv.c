@@ -521,7 +521,7 @@ static void fp4_rows(int64_t rows, int64_t K, int bf16, const uint8_t *packed, c
             char *dst = (char *)out + (size_t)(r * K + b * 32) * width;
             /* a tile's rows follow each other in the bank, and the next tile's after them: the stream's
              * lines are asked for FP4_PREFETCH bytes ahead, since decoding keeps fewer loads in flight */
-            if (b % 4 == 0) _mm_prefetch((const char *)(src + b * 16) + FP4_PREFETCH, _MM_HINT_T0);
+            if (b % 4 == 0) __builtin_prefetch((const char *)(src + b * 16) + FP4_PREFETCH);
 #if defined(__AVX512BW__)
             if (FP4_WIDE_SCALE(sc[b])) {
                 const __m512i v = fp4_values(src + b * 16, sc[b], table);
