@@ -8,7 +8,8 @@ bytes compute the bits of the same experts held dequantised.
 - the trained demo loaded both ways: the same logits in a prefill, chunks, decode steps and a batch,
   and the same engine completions; with the native library off too (the torch path dequantises one
   expert at a time); a quarter of the expert bytes;
-- planted mistakes in the decoder are caught; the option's misuse gets one clear error.
+- an AVX2 build (no AVX-512) decodes the same bits; planted mistakes in the decoders are caught; the
+  option's misuse gets one clear error.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dsv41.model import formats, native
 from dsv41.model.numerics import Numerics
 from helpers import engine_run, run_chunks, token_ids
 from test_native import mutated_library
+from test_native_fast import _cpu_has
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler for the native kernels")
 
@@ -144,22 +146,47 @@ def test_without_the_native_library_stored_experts_give_the_same_bits(demo_pair,
     assert not torch.equal(want, with_library)                       # the torch paths did run
 
 
-@pytest.mark.parametrize("old, new, check", [
-    # the vector decode: the scale's exponent one too high
-    ("(int16_t)((s - 127) * 128)", "(int16_t)((s - 126) * 128)", "experts"),
+def avx2_build(monkeypatch):
+    """Build the library for an AVX2 CPU without AVX-512 (this CPU must run it): the decoder's AVX2 path."""
+    if not _cpu_has("avx2", "fma", "f16c", "bmi2"):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    monkeypatch.setattr(native, "FLAGS", tuple("-march=haswell" if f == "-march=native" else f for f in native.FLAGS))
+
+
+def check_decoder_and_experts() -> None:
+    test_the_decoder_gives_the_dequantised_values_for_every_byte_and_scale(torch.bfloat16)
+    test_the_decoder_gives_the_dequantised_values_for_every_byte_and_scale(torch.float32)
+    for n, odd_scales in ((1, False), (3, True), (12, False)):
+        test_stored_routed_experts_are_the_held_banks_bits(n, odd_scales)
+
+
+def test_an_avx2_build_decodes_the_same_bits(tmp_path, monkeypatch):
+    avx2_build(monkeypatch)
+    native.build(tmp_path / "avx2.so")
+    lib = native.load(tmp_path / "avx2.so")
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    check_decoder_and_experts()
+
+
+@pytest.mark.parametrize("old, new, build", [
+    # the AVX-512 decode: the scale's exponent one too high
+    ("(int16_t)((s - 127) * 128)", "(int16_t)((s - 126) * 128)", "native"),
     # its range: scale byte 1 (results below the normal range) taken by the exponent add
-    ("((s) >= 2 && (s) <= 252)", "((s) >= 1 && (s) <= 252)", "decoder"),
-    # the float product (scales outside the range): the two nibbles of a byte swapped
-    ("src[j / 2] >> (4 * (j & 1))", "src[j / 2] >> (4 * (~j & 1))", "decoder"),
+    ("((s) >= 2 && (s) <= 252)", "((s) >= 1 && (s) <= 252)", "native"),
+    # the float product (AVX-512: scales outside the range): the two nibbles of a byte swapped
+    ("src[j / 2] >> (4 * (j & 1))", "src[j / 2] >> (4 * (~j & 1))", "native"),
+    # the AVX2 decode: the sign taken from the wrong bit of the code
+    ("_mm256_srli_epi32(codes, 3), 31)", "_mm256_srli_epi32(codes, 2), 31)", "avx2"),
 ])
-def test_a_mutated_decoder_is_caught(old, new, check, tmp_path, monkeypatch):
+def test_a_mutated_decoder_is_caught(old, new, build, tmp_path, monkeypatch):
+    if build == "avx2":
+        avx2_build(monkeypatch)
+    elif not _cpu_has("avx512f", "avx512bw"):
+        pytest.skip("this CPU builds gemv.c without the AVX-512 decode")
     lib = mutated_library("gemv.c", old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
-        if check == "decoder":
-            test_the_decoder_gives_the_dequantised_values_for_every_byte_and_scale(torch.bfloat16)
-        else:
-            test_stored_routed_experts_are_the_held_banks_bits(1, False)
+        check_decoder_and_experts()
 
 
 def test_stored_experts_misuse_is_one_clear_error():

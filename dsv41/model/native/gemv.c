@@ -507,6 +507,18 @@ static inline __m512i fp4_values(const uint8_t *bytes16, uint8_t s, __m512i tabl
     const __m512i scaled = _mm512_mask_add_epi16(table, E2M1_NONZERO, table, _mm512_set1_epi16((int16_t)((s - 127) * 128)));
     return _mm512_permutexvar_epi16(codes, scaled);
 }
+#elif defined(__AVX2__)
+/* Eight values from four code bytes (nibble k of the little-endian word is value k), as `fp4_block`
+ * computes them: the code's magnitude from a table, its sign bit, and the same fp32 product by the
+ * scale, so the same bits for every scale. */
+static inline __m256 fp4_lanes8(uint32_t four_bytes, __m256 scale) {
+    const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)four_bytes),
+                                                             _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                           _mm256_set1_epi32(15));
+    const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f), codes);
+    const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(codes, 3), 31));
+    return _mm256_mul_ps(_mm256_or_ps(magnitude, sign), scale);
+}
 #endif
 
 /* rows × K values from packed [rows, K/2] and scale [rows, K/32] (K a multiple of 32) into out [rows, K]. */
@@ -533,6 +545,23 @@ static void fp4_rows(int64_t rows, int64_t K, int bf16, const uint8_t *packed, c
                 }
                 continue;
             }
+#elif defined(__AVX2__)
+            const __m256 scale8 = _mm256_set1_ps(e8m0_value(sc[b]));
+            for (int q = 0; q < 4; q += 2) {              /* 16 values a pass: 8 code bytes */
+                uint32_t words[2];
+                memcpy(words, src + b * 16 + 4 * q, sizeof words);
+                const __m256 v0 = fp4_lanes8(words[0], scale8), v1 = fp4_lanes8(words[1], scale8);
+                if (bf16) {
+                    /* the upper halves, packed per 128-bit lane, then the lanes put back in order */
+                    const __m256i packed16 = _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(v0), 16),
+                                                                 _mm256_srli_epi32(_mm256_castps_si256(v1), 16));
+                    _mm256_storeu_si256((__m256i *)(dst + q * 16), _mm256_permute4x64_epi64(packed16, 0xd8));
+                } else {
+                    _mm256_storeu_ps((float *)dst + q * 8, v0);
+                    _mm256_storeu_ps((float *)dst + q * 8 + 8, v1);
+                }
+            }
+            continue;
 #endif
             fp4_block(src + b * 16, sc[b], bf16, dst);
         }
@@ -662,8 +691,11 @@ static void stored_tile(int dot, const void *xs, int64_t m, int64_t K, const uin
         return;
     }
 #endif
-    fp4_rows(n, K, w_bf16, w + at * (K / 2), c + at * (K / 32), scratch);
-    expert_tile(dot, xs, m, K, scratch, 0, n, w_bf16, acc);
+    /* the dot products read bf16 rows; the multiply-adds widen every weight to fp32 first, so they read
+     * the rows decoded to fp32 (the same values: every decoded value is exact in bf16) */
+    const int as_bf16 = dot && w_bf16;
+    fp4_rows(n, K, as_bf16, w + at * (K / 2), c + at * (K / 32), scratch);
+    expert_tile(dot, xs, m, K, scratch, 0, n, as_bf16, acc);
 }
 
 /* A tile of expert e's matrix (`rows` × K, from row j0) against the group's activation rows: the held
@@ -696,9 +728,9 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
     int64_t *group = malloc((size_t)(pairs_max + 1) * sizeof(int64_t));  /* first pair of each group */
     float *gate = malloc((size_t)(pairs_max * (2 * I + D) + 1) * sizeof(float));
     void *xg = malloc((size_t)(pairs_max * (D + I) + 1) * xw);          /* the pairs' x rows, then their h rows */
-    /* a stored bank's decoded tile, one per thread */
+    /* a stored bank's decoded tile (bf16 or fp32 values), one per thread */
     const int64_t widest = D > I ? D : I;
-    char *scratch = c1 != NULL ? malloc((size_t)(threads * TILE * widest) * ww) : NULL;
+    char *scratch = c1 != NULL ? malloc((size_t)(threads * TILE * widest) * sizeof(float)) : NULL;
     if (pair == NULL || group == NULL || gate == NULL || xg == NULL || (c1 != NULL && scratch == NULL)) {
         free(pair); free(group); free(gate); free(xg); free(scratch);
         return -1;
@@ -737,7 +769,7 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float acc[MAX_ROWS][TILE];
-        void *tile = scratch != NULL ? scratch + (size_t)(thread_span(0).index * TILE * widest) * ww : NULL;
+        void *tile = scratch != NULL ? scratch + (size_t)(thread_span(0).index * TILE * widest) * sizeof(float) : NULL;
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < G * I_tiles; r++) {          /* gate and up: TILE rows of w1 and w3 */
             const int64_t g = r / I_tiles, i0 = (r % I_tiles) * TILE, p0 = group[g], m = group[g + 1] - p0, e = pair[2 * p0];
