@@ -226,3 +226,18 @@ def test_expert_parallel_ranks_load_their_stored_experts(demo_pair):
     for name in names:
         rebuilt = torch.cat([p[name] for p in parts])
         assert rebuilt.dtype == whole[name].dtype and torch.equal(rebuilt.view(torch.uint8), whole[name].view(torch.uint8))
+
+
+def test_the_released_plan_holds_stored_experts_at_their_checkpoint_bytes(released_cfg):
+    """The released config on the meta device: fast numerics' routed experts take the checkpoint's
+    268.95 GiB when stored (docs/CHECKPOINT.md §4, what reference numerics hold), 2 bytes a value held."""
+    from dsv41.checkpoint.plan import plan_load
+
+    def experts(**runtime) -> int:
+        return plan_load(released_cfg, RuntimeConfig(max_seq_len=4096, **runtime)).weights["routed experts"]
+
+    values = released_cfg.n_layers * released_cfg.n_routed_experts * 3 * released_cfg.dim * released_cfg.moe_inter_dim
+    stored = experts(numerics="fast", stored_experts=True)
+    assert stored == experts() and stored / 2 ** 30 == pytest.approx(268.95, abs=0.01)
+    assert stored == values // 2 + values // 32
+    assert experts(numerics="fast") == 2 * values

@@ -159,7 +159,7 @@ class RoutedExperts(nn.Module):
         self.n_experts, self.numerics, self.swiglu_limit = n_experts, numerics, swiglu_limit
         self.partial, self.dtype = partial, dtype
         # fp4 banks held in their stored bytes under fast numerics (computed as if dequantised to dtype)
-        self.stored = numerics.stored_experts and storage == "fp4" and not numerics.quantized
+        self.stored = numerics.stored_experts and storage == "fp4"
         kw["keep_stored"] = self.stored
         self.w1 = StackedWeight(n_experts, dim, inter_dim, storage, **kw)
         self.w2 = StackedWeight(n_experts, inter_dim, dim, storage, **kw)
