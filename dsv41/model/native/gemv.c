@@ -592,8 +592,9 @@ void dsv41_fp4_rows(int64_t rows, int64_t K, int bf16, int threads, const uint8_
  * pairs' outputs add to what `out` holds (the shared expert onto the routed sum, the order the layer
  * adds them in) instead of to zero. c1, c3, c2 (NULL: banks held in the compute dtype): the banks are the
  * stored fp4 bytes, w1, w3 [E, I, D/2] and w2 [E, D, I/2], with their ue8m0 scales c1, c3 [E, I, D/32] and
- * c2 [E, D, I/32]; each tile's rows are decoded into the compute dtype (`fp4_rows`, the values a held bank
- * has) just before the tile reads them, so the sums, and the bits, are the held bank's (N30). s1, s3 [I, D] and s2 [D, I] (NULL: none): the shared expert, in the
+ * c2 [E, D, I/32]; each tile's rows are decoded to the values a held bank has just before the tile reads
+ * them (in registers or into a scratch, `stored_tile`), so the sums, and the bits, are the held bank's
+ * (N30). s1, s3 [I, D] and s2 [D, I] (NULL: none): the shared expert, in the
  * banks' dtype, as one more expert after the last: every token through it at weight 1, its output added
  * after the token's routed ones (moe.py's `y + shared`, the same bits as a second call accumulating).
  * Pairs of one expert run together, up to MAX_ROWS at a time, so each chosen expert's weights are read once.
