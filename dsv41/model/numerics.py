@@ -61,7 +61,7 @@ One frozen object, built from the runtime config and passed to every module (STY
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -175,9 +175,7 @@ class Numerics:
             if kind not in ("cpu", "meta"):
                 raise ConfigError(f"stored experts are decoded by the CPU kernels; on {device} hold them "
                                   "dequantised (stored_experts=False)")
-            plain = cls.for_device(mode, kernels, device, dtype)
-            return cls(plain.mode, plain.kernels, plain.experts, plain.cpu_kernels, plain.native, plain.triton,
-                       stored_experts=True)
+            return replace(cls.for_device(mode, kernels, device, dtype), stored_experts=True)
         if policy.quantized and policy.invariant and kind == "cpu" and native.available():
             return cls(policy.mode, policy.kernels, native=True)
         if policy.quantized or policy.invariant:
