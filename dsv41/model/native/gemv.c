@@ -87,19 +87,27 @@ static inline __attribute__((always_inline)) int64_t row_dot8(const float *x, in
 }
 #endif
 
-/* One weight row (K values from `w`, bf16 or fp32) against M fp32 activation rows x[m * K …]: acc[m]. */
-static void row_dot(const float *x, int64_t M, int64_t K, const void *w, int w_bf16, float *acc) {
-    int64_t k = 0;
 #if defined(__AVX512F__)
+/* `row_dot`'s vector loop with AVX-512 → the k it stopped at; `row_dot8`'s scheme in 16 lanes: inlined
+ * per constant row count (1 … 4) the 2·M sums stay in registers, and the weight is asked for 2 KB ahead
+ * of its loads. Before, the sums of a runtime count lived on the stack and the weight came by the
+ * hardware prefetcher alone: the bf16 head widened into fp32 rows (8192 × 1024) streamed at ~18 GB/s on
+ * two threads (N31). Every count sums the same lanes in the same K order and reduces them alike. */
+static inline __attribute__((always_inline)) int64_t row_dot16(const float *x, int64_t M, int64_t K, const void *w,
+                                                               int w_bf16, float *acc) {
     __m512 s[MAX_ROWS][2];
+    const int64_t ww = w_bf16 ? 2 : 4;
+    int64_t k = 0;
     for (int64_t m = 0; m < M; m++) s[m][0] = s[m][1] = _mm512_setzero_ps();
     for (; k + 32 <= K; k += 32) {
         __m512 v0, v1;
+        _mm_prefetch((const char *)w + k * ww + 2048, _MM_HINT_T0);
         if (w_bf16) {
             const uint16_t *wb = (const uint16_t *)w + k;
             v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)wb)), 16));
             v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wb + 16))), 16));
         } else {
+            _mm_prefetch((const char *)w + k * ww + 2048 + 64, _MM_HINT_T0);
             v0 = _mm512_loadu_ps((const float *)w + k);
             v1 = _mm512_loadu_ps((const float *)w + k + 16);
         }
@@ -109,6 +117,21 @@ static void row_dot(const float *x, int64_t M, int64_t K, const void *w, int w_b
         }
     }
     for (int64_t m = 0; m < M; m++) acc[m] = _mm512_reduce_add_ps(_mm512_add_ps(s[m][0], s[m][1]));
+    return k;
+}
+#endif
+
+/* One weight row (K values from `w`, bf16 or fp32) against M fp32 activation rows x[m * K …]: acc[m]. */
+static void row_dot(const float *x, int64_t M, int64_t K, const void *w, int w_bf16, float *acc) {
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    switch (M) {                                /* a constant count per call site: sums in registers */
+    case 1: k = row_dot16(x, 1, K, w, w_bf16, acc); break;
+    case 2: k = row_dot16(x, 2, K, w, w_bf16, acc); break;
+    case 3: k = row_dot16(x, 3, K, w, w_bf16, acc); break;
+    case 4: k = row_dot16(x, 4, K, w, w_bf16, acc); break;
+    default: k = row_dot16(x, M, K, w, w_bf16, acc);
+    }
 #elif defined(__AVX2__) && defined(__FMA__)
     switch (M) {                                /* a constant count per call site: sums in registers */
     case 1: k = row_dot8(x, 1, K, w, w_bf16, acc); break;
@@ -462,7 +485,10 @@ int dsv41_gemv_exact_kn(int64_t P, int64_t M, int64_t N, int64_t K, int threads,
  * the banks' compute dtype: code value · 2^(s − 127) in fp32 (s = 255: NaN), formats.dequantize_fp4_weight's
  * product, which the loader then casts. A 2-bit significand times a power of two within fp32's range is
  * exact in bf16, normal or not, so the cast is the float's upper half (rounding would change nothing). */
-#define FP4_PREFETCH 2048
+/* How far ahead (bytes of codes) a stored row's lines are asked for: a decode step's tile reads its four
+ * rows side by side (N31), 2 KB a tile at dim 1024; 1 KB ahead measured best (12 layers' stored experts
+ * of a dim-1024 step 6.6-6.8 ms against 7.3-7.5 at 2 KB, 7.2-7.5 at 512 or 768 bytes). */
+#define FP4_PREFETCH 1024
 
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -496,16 +522,54 @@ static const uint16_t E2M1_BF16[32] = {0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0
                                        0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
 /* The table's entries of nonzero magnitude (codes 0 and 8 are ±0 at any scale). */
 #define E2M1_NONZERO 0xfefefefeu
-#define FP4_WIDE_SCALE(s) ((s) >= 2 && (s) <= 252)
+#define FP4_WIDE_LOW 2
+#define FP4_WIDE_HIGH 252
+#define FP4_WIDE_SCALE(s) ((s) >= FP4_WIDE_LOW && (s) <= FP4_WIDE_HIGH)
+/* Most 32-value blocks in a row that a decode step's tile decodes in registers (K ≤ 8192: the release's
+ * widest expert input is 4096); wider rows take the scratch. */
+#define FP4_TILE_BLOCKS 256
 
 /* 16 bytes of codes → their 32 bf16 values (K order) at scale byte s (FP4_WIDE_SCALE): byte i becomes the
  * 32-bit lane b | b << 12, whose low word indexes the table by b's low 5 bits (the table repeats past 16,
  * so the high nibble's low bit does not matter) and whose high word is b >> 4. */
-static inline __m512i fp4_values(const uint8_t *bytes16, uint8_t s, __m512i table) {
+static inline __m512i fp4_scaled_values(const uint8_t *bytes16, __m512i exponent_add, __m512i table) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes16));
     const __m512i codes = _mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12));
-    const __m512i scaled = _mm512_mask_add_epi16(table, E2M1_NONZERO, table, _mm512_set1_epi16((int16_t)((s - 127) * 128)));
+    const __m512i scaled = _mm512_mask_add_epi16(table, E2M1_NONZERO, table, exponent_add);
     return _mm512_permutexvar_epi16(codes, scaled);
+}
+
+/* What scale byte s adds to a bf16 exponent field: (s − 127) · 2^7, in both 16-bit halves of a lane. */
+static inline uint32_t fp4_exponent_add(uint8_t s) {
+    const uint16_t add = (uint16_t)(int16_t)((s - 127) * 128);
+    return (uint32_t)add * 0x10001u;
+}
+
+static inline __m512i fp4_values(const uint8_t *bytes16, uint8_t s, __m512i table) {
+    return fp4_scaled_values(bytes16, _mm512_set1_epi32((int)fp4_exponent_add(s)), table);
+}
+
+/* `fp4_exponent_add` of `count` scale bytes into out, 16 at a time. */
+static inline void fp4_exponent_adds(const uint8_t *c, int64_t count, uint32_t *out) {
+    for (int64_t q = 0; q < count; q += 16) {
+        const __mmask16 live = count - q >= 16 ? 0xffff : (__mmask16)((1u << (count - q)) - 1u);
+        const __m512i s = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, c + q));
+        const __m512i add = _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(s, _mm512_set1_epi32(127)), 7),
+                                             _mm512_set1_epi32(0xffff));
+        _mm512_mask_storeu_epi32(out + q, live, _mm512_or_si512(add, _mm512_slli_epi32(add, 16)));
+    }
+}
+
+/* 1 where all `count` scale bytes are FP4_WIDE_SCALE, 64 at a time. */
+static inline int fp4_wide_scales(const uint8_t *c, int64_t count) {
+    const __m512i low = _mm512_set1_epi8(FP4_WIDE_LOW), high = _mm512_set1_epi8((char)FP4_WIDE_HIGH);
+    for (int64_t q = 0; q < count; q += 64) {
+        const __mmask64 live = count - q >= 64 ? ~0ull : (1ull << (count - q)) - 1ull;
+        const __m512i s = _mm512_maskz_loadu_epi8(live, c + q);
+        const __mmask64 wide = _mm512_mask_cmpge_epu8_mask(live, s, low) & _mm512_mask_cmple_epu8_mask(live, s, high);
+        if (wide != live) return 0;
+    }
+    return 1;
 }
 #elif defined(__AVX2__)
 /* Eight values from four code bytes (nibble k of the little-endian word is value k), as `fp4_block`
@@ -640,23 +704,30 @@ static inline const void *expert_weight(const void *w, const void *s, int64_t e,
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-/* `tile_dot_bf16`'s streaming order over TILE stored fp4 rows (w[i]: K/2 bytes, c[i]: K/32 scale bytes,
- * every scale FP4_WIDE_SCALE, K a multiple of 32), each 32 values decoded in registers just before their
- * dot products: the same vectors in the same order, so the same bits as the rows held in bf16. */
+/* TILE stored fp4 rows (w[i]: K/2 bytes, c[i]: K/32 scale bytes, every scale FP4_WIDE_SCALE, K a multiple
+ * of 32) against R activation rows, each 32 values decoded in registers just before their dot products.
+ * Every (activation row, weight row) pair keeps one accumulator whose lanes add their blocks in K order,
+ * as `tile_dot_bf16` does: the same bits as the rows held in bf16. The weight rows run side by side, not
+ * one after another: a row's dot products are one dependency chain (each vdpbf16ps waits for the last),
+ * which alone held a decode step's row (R = 1) to about a third of the decoder's rate; TILE · R chains
+ * in flight keep the decoding units busy. The tile's rows are adjacent in the bank (K/2 bytes each), so
+ * side by side they still read one stream (N31). */
 static inline __attribute__((always_inline)) void tile_dot_fp4(int R, const uint16_t *const x[TILE], int64_t K,
-                                                               const uint8_t *const w[TILE], const uint8_t *const c[TILE],
+                                                               const uint8_t *const w[TILE], const uint32_t *const add[TILE],
                                                                float acc[TILE][TILE]) {
     const __m512i table = _mm512_loadu_si512(E2M1_BF16);
     __m512 s[TILE][TILE];
-    for (int i = 0; i < TILE; i++) {
-        __m512 t[TILE];
-        for (int r = 0; r < R; r++) t[r] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k += 32) {
-            if (k % 128 == 0) _mm_prefetch((const char *)(w[i] + k / 2) + FP4_PREFETCH, _MM_HINT_T0);
-            const __m512bh v = (__m512bh)fp4_values(w[i] + k / 2, c[i][k / 32], table);
-            for (int r = 0; r < R; r++) t[r] = _mm512_dpbf16_ps(t[r], (__m512bh)_mm512_loadu_si512(x[r] + k), v);
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < TILE; i++) s[r][i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        if (k % 128 == 0)
+            for (int i = 0; i < TILE; i++) _mm_prefetch((const char *)(w[i] + k / 2) + FP4_PREFETCH, _MM_HINT_T0);
+        __m512bh a[TILE];
+        for (int r = 0; r < R; r++) a[r] = (__m512bh)_mm512_loadu_si512(x[r] + k);
+        for (int i = 0; i < TILE; i++) {
+            const __m512bh v = (__m512bh)fp4_scaled_values(w[i] + k / 2, _mm512_set1_epi32((int)add[i][k / 32]), table);
+            for (int r = 0; r < R; r++) s[r][i] = _mm512_dpbf16_ps(s[r][i], a[r], v);
         }
-        for (int r = 0; r < R; r++) s[r][i] = t[r];
     }
     for (int r = 0; r < R; r++) _mm_storeu_ps(acc[r], lane_sums4(s[r][0], s[r][1], s[r][2], s[r][3]));
 }
@@ -670,23 +741,27 @@ static void stored_tile(int dot, const void *xs, int64_t m, int64_t K, const uin
                         int64_t rows, int64_t j0, int w_bf16, void *scratch, float acc[MAX_ROWS][TILE]) {
     const int64_t n = rows - j0 < TILE ? rows - j0 : TILE, at = e * rows + j0;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    int wide = dot && m <= TILE;
-    for (int64_t q = 0; wide && q < n * (K / 32); q++) wide = FP4_WIDE_SCALE(c[at * (K / 32) + q]);
-    if (wide) {
-        const uint8_t *wr[TILE], *cr[TILE];
+    /* the blocks' exponent adds, worked out once a tile (a vector op per 16 blocks), so that each block
+     * takes its own by a broadcast load: a broadcast from a register takes the shuffle port, which the
+     * decode's widen and table lookup already keep busy (N31) */
+    uint32_t adds[TILE][FP4_TILE_BLOCKS];
+    if (dot && m <= TILE && K / 32 <= FP4_TILE_BLOCKS && fp4_wide_scales(c + at * (K / 32), n * (K / 32))) {
+        const uint8_t *wr[TILE];
+        const uint32_t *ar[TILE];
         const uint16_t *x[TILE];
         for (int i = 0; i < TILE; i++) {
-            const int64_t row = at + (i < n ? i : n - 1);
-            wr[i] = w + row * (K / 2);
-            cr[i] = c + row * (K / 32);
+            const int64_t row = i < n ? i : n - 1;
+            if (i < n) fp4_exponent_adds(c + (at + i) * (K / 32), K / 32, adds[i]);
+            wr[i] = w + (at + row) * (K / 2);
+            ar[i] = adds[row];
         }
         for (int r = 0; r < TILE; r++) x[r] = (const uint16_t *)xs + (r < m ? r : 0) * K;
         float part[TILE][TILE];
         switch (m) {
-            case 1: tile_dot_fp4(1, x, K, wr, cr, part); break;
-            case 2: tile_dot_fp4(2, x, K, wr, cr, part); break;
-            case 3: tile_dot_fp4(3, x, K, wr, cr, part); break;
-            default: tile_dot_fp4(4, x, K, wr, cr, part); break;
+            case 1: tile_dot_fp4(1, x, K, wr, ar, part); break;
+            case 2: tile_dot_fp4(2, x, K, wr, ar, part); break;
+            case 3: tile_dot_fp4(3, x, K, wr, ar, part); break;
+            default: tile_dot_fp4(4, x, K, wr, ar, part); break;
         }
         for (int64_t r = 0; r < m; r++) memcpy(acc[r], part[r], sizeof part[r]);
         return;
