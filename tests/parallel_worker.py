@@ -80,9 +80,12 @@ def as_rank(rank: int, world: int, port: int, out_dir: str, work) -> None:
 
 
 def runtime(numerics: str):
+    """"reference", "fast" (fp32), or "fast-stored": fast fp32 with the fp4 experts kept stored (N30)."""
     from dsv41.config import RuntimeConfig
 
-    return RuntimeConfig(max_seq_len=128, max_batch_size=2, numerics=numerics,
+    stored = numerics == "fast-stored"
+    numerics = "fast" if stored else numerics
+    return RuntimeConfig(max_seq_len=128, max_batch_size=2, numerics=numerics, stored_experts=stored,
                          dtype="float32" if numerics == "fast" else "bfloat16")
 
 

@@ -11,7 +11,8 @@ Expectations, on the demo model (every layer role, Engram, DSpark; top-k choices
 - tensor parallelism in `reference` numerics reduces bf16 partial products in fp32, as the reference
   does at MP > 1: 1 bf16 ulp at the first reduction, which routing choices then amplify; the test
   checks the first reduction against its formula (test_parallel_layers.py) and that the run is
-  deterministic.
+  deterministic;
+- fast numerics with the fp4 experts kept stored give the held experts' bits in every layout.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def single(demo_dir):
 
 @pytest.fixture(scope="module")
 def world2(demo_dir, tmp_path_factory):
-    return _run_world(2, demo_dir, [(2, 1), (1, 2), (2, 2)], ("reference", "fast"), tmp_path_factory.mktemp("w2"))
+    return _run_world(2, demo_dir, [(2, 1), (1, 2), (2, 2)], ("reference", "fast", "fast-stored"),
+                      tmp_path_factory.mktemp("w2"))
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +88,19 @@ def test_expert_parallel_fast_matches_one_process(single, world2):
     """BLAS kernels pick the expert GEMM by how many pairs a rank has (fewer experts per rank), so only
     within rounding here."""
     _close(world2[(1, 2, "fast")], single["fast"])
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2), (2, 2)])
+def test_stored_experts_across_ranks_give_the_held_experts_bits(world2, layout):
+    """Each rank's part of the stored banks (fp4 bytes and scales, docs/NUMERICS.md N30) decodes to its
+    part of the held banks, so the forward across processes, its collectives included, keeps the held
+    run's bits: logits, drafts and greedy generations. (In fp32 the experts decode into fp32 rows,
+    `fp4_rows`; a scale's exponent planted one off there fails this test. The bf16 tiles' decode is
+    tested in one process, tests/test_stored_experts.py.)"""
+    _same(world2[(*layout, "fast-stored")], world2[(*layout, "fast")])
+    stored = world2[(*layout, "fast-stored")]["held"]["layers.0.ffn.experts.w1.weight"]
+    held = world2[(*layout, "fast")]["held"]["layers.0.ffn.experts.w1.weight"]
+    assert stored[:-1] == held[:-1] and stored[-1] * 2 == held[-1]      # two fp4 values a byte
 
 
 def test_each_rank_holds_its_part(world2, single):
