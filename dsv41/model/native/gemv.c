@@ -121,24 +121,23 @@ static inline __attribute__((always_inline)) int64_t row_dot16(const float *x, i
 }
 #endif
 
+/* The vector loop this build has: 16 lanes with AVX-512, else 8 with AVX2 and FMA (none: scalar). */
+#if defined(__AVX512F__)
+#define ROW_DOT_LOOP row_dot16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ROW_DOT_LOOP row_dot8
+#endif
+
 /* One weight row (K values from `w`, bf16 or fp32) against M fp32 activation rows x[m * K …]: acc[m]. */
 static void row_dot(const float *x, int64_t M, int64_t K, const void *w, int w_bf16, float *acc) {
     int64_t k = 0;
-#if defined(__AVX512F__)
+#if defined(ROW_DOT_LOOP)
     switch (M) {                                /* a constant count per call site: sums in registers */
-    case 1: k = row_dot16(x, 1, K, w, w_bf16, acc); break;
-    case 2: k = row_dot16(x, 2, K, w, w_bf16, acc); break;
-    case 3: k = row_dot16(x, 3, K, w, w_bf16, acc); break;
-    case 4: k = row_dot16(x, 4, K, w, w_bf16, acc); break;
-    default: k = row_dot16(x, M, K, w, w_bf16, acc);
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    switch (M) {                                /* a constant count per call site: sums in registers */
-    case 1: k = row_dot8(x, 1, K, w, w_bf16, acc); break;
-    case 2: k = row_dot8(x, 2, K, w, w_bf16, acc); break;
-    case 3: k = row_dot8(x, 3, K, w, w_bf16, acc); break;
-    case 4: k = row_dot8(x, 4, K, w, w_bf16, acc); break;
-    default: k = row_dot8(x, M, K, w, w_bf16, acc);
+    case 1: k = ROW_DOT_LOOP(x, 1, K, w, w_bf16, acc); break;
+    case 2: k = ROW_DOT_LOOP(x, 2, K, w, w_bf16, acc); break;
+    case 3: k = ROW_DOT_LOOP(x, 3, K, w, w_bf16, acc); break;
+    case 4: k = ROW_DOT_LOOP(x, 4, K, w, w_bf16, acc); break;
+    default: k = ROW_DOT_LOOP(x, M, K, w, w_bf16, acc);
     }
 #else
     for (int64_t m = 0; m < M; m++) acc[m] = 0.0f;
