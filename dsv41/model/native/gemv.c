@@ -538,17 +538,13 @@ static inline __m512i fp4_scaled_values(const uint8_t *bytes16, __m512i exponent
     return _mm512_permutexvar_epi16(codes, scaled);
 }
 
-/* What scale byte s adds to a bf16 exponent field: (s − 127) · 2^7, in both 16-bit halves of a lane. */
-static inline uint32_t fp4_exponent_add(uint8_t s) {
-    const uint16_t add = (uint16_t)(int16_t)((s - 127) * 128);
-    return (uint32_t)add * 0x10001u;
-}
-
+/* Scale byte s adds (s − 127) · 2^7 to a bf16 exponent field. */
 static inline __m512i fp4_values(const uint8_t *bytes16, uint8_t s, __m512i table) {
-    return fp4_scaled_values(bytes16, _mm512_set1_epi32((int)fp4_exponent_add(s)), table);
+    return fp4_scaled_values(bytes16, _mm512_set1_epi16((int16_t)((s - 127) * 128)), table);
 }
 
-/* `fp4_exponent_add` of `count` scale bytes into out, 16 at a time. */
+/* The exponent adds of `count` scale bytes into out, 16 at a time, each in both 16-bit halves of a
+ * 32-bit lane (so that a block takes its own by a 32-bit broadcast load). */
 static inline void fp4_exponent_adds(const uint8_t *c, int64_t count, uint32_t *out) {
     for (int64_t q = 0; q < count; q += 16) {
         const __mmask16 live = count - q >= 16 ? 0xffff : (__mmask16)((1u << (count - q)) - 1u);
