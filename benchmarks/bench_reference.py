@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv41.config import ModelConfig, RuntimeConfig   # noqa: E402
 from dsv41.model import Transformer                   # noqa: E402
+from dsv41.model.arena import huge_page_buffer, pack_weights   # noqa: E402
 from dsv41.model.init import init_random_             # noqa: E402
 from tools.reference_parity import copy_weights, default_dtype, import_reference, reference_args   # noqa: E402
 
@@ -74,7 +75,10 @@ class Contender:
 
 
 def dsv41_contender(name: str, cfg: ModelConfig, seed: int, max_len: int, **runtime) -> tuple[Contender, Transformer]:
-    model = init_random_(Transformer(cfg, RuntimeConfig(max_seq_len=max_len, max_batch_size=BATCH, **runtime)), seed)
+    rc = RuntimeConfig(max_seq_len=max_len, max_batch_size=BATCH, **runtime)
+    model = init_random_(Transformer(cfg, rc), seed)
+    if rc.huge_pages:
+        pack_weights(model)                  # where a loaded model's weights live (docs/NUMERICS.md N32)
     state = {}
 
     def prefill(ids):
@@ -104,9 +108,11 @@ def reference_contender(module, ours: Transformer, max_len: int) -> Contender:
 def bandwidth_gb_s() -> tuple[float, float]:
     """(copy, read) GB/s: best of 5 copies of 256 MB (read + write counted), best of 5 sums of it (a
     read only: what a decode step's weights cost; on the 2-core EPYC here about half the copy figure,
-    since one core's misses in flight bound its reads)."""
-    src = torch.empty(1 << 26, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
+    since one core's misses in flight bound its reads). Both buffers on 2 MB pages where the kernel
+    gives them, as the packed weights are: on 4 KB pages the same sum read 23 GB/s where it read 31 on
+    the AMX Xeon (N32), a floor the weights would beat."""
+    src = huge_page_buffer(1 << 28)[0].view(torch.float32).fill_(1.0)
+    dst = huge_page_buffer(1 << 28)[0].view(torch.float32)
     copy = min(timed(lambda: dst.copy_(src)) for _ in range(5))
     read = min(timed(lambda: src.sum()) for _ in range(5))
     return 2 * src.numel() * 4 / copy / 1e9, src.numel() * 4 / read / 1e9

@@ -80,6 +80,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "of the memory), decoded inside the expert kernels; the same results")
     g.add_argument("--engram-on-disk", action="store_true",
                    help="keep the Engram tables memory-mapped: only looked-up rows are ever read")
+    g.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
+                   help="on the CPU, give each weight its own allocation instead of one buffer on 2 MB pages "
+                        "(those decode faster; their first touch can cost more on some virtual machines)")
     g.add_argument("--max-context", type=count, default=DEFAULT_MAX_CONTEXT, metavar="N",
                    help=f"positions the cache holds, prompt plus completion (default: {DEFAULT_MAX_CONTEXT})")
     g.add_argument("--show-plan", action="store_true",
@@ -328,7 +331,7 @@ def load_model(path: Path, args, batch_size: int, parallel=None):
     device = _device(args) if parallel is None else rank_device(parallel, _device(args))
     runtime = RuntimeConfig(max_batch_size=batch_size, max_seq_len=args.max_context, device=device,
                             dtype=args.dtype, numerics=args.numerics, kernels=args.kernels,
-                            stored_experts=args.stored_experts)
+                            stored_experts=args.stored_experts, huge_pages=args.huge_pages)
     driver = parallel is None or parallel.is_driver
     show = (lambda plan: _note("\n".join(plan.lines()))) if args.show_plan and driver else None
     extra = {} if parallel is None else {"parallel": parallel, "progress": None if driver else False}

@@ -368,6 +368,9 @@ class RuntimeConfig:
     """Fast numerics on the CPU: hold fp4 routed experts in their stored bytes (a quarter of the memory)
     and decode them inside the expert kernels; the results are the dequantised experts' bits
     (docs/NUMERICS.md N30). Reference numerics hold every weight stored already."""
+    huge_pages: bool = True
+    """Load a CPU model's weights into one buffer advised for 2 MB pages (docs/NUMERICS.md N32): a decode
+    step's weight stream then takes no TLB miss per 4 KB page. Off: each tensor in its own allocation."""
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size > 0, f"max_batch_size must be positive, got {self.max_batch_size}")

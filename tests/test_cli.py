@@ -87,6 +87,22 @@ def test_generate_from_stdin_raw(in_process_env, capsys, monkeypatch):
     assert 0 < generated <= 3 and prompt_tokens == 4               # The, quick, brown, fox
 
 
+def test_no_huge_pages_loads_plain_allocations_with_the_same_text(in_process_env, capsys, monkeypatch):
+    runtimes = []
+
+    def loading(path, runtime, **kw):
+        runtimes.append(runtime)
+        return dsv41.load(path, runtime, **kw)
+
+    monkeypatch.setattr(cli, "load", loading)
+    argv = ["generate", "--raw", "The quick brown fox", "--max-new-tokens", "4", "--temperature", "0", "--ignore-eos"]
+    packed = run_cli(argv, capsys, monkeypatch)
+    plain = run_cli(argv + ["--no-huge-pages"], capsys, monkeypatch)
+    assert packed[0] == plain[0] == 0, plain[2]
+    assert [r.huge_pages for r in runtimes] == [True, False]
+    assert packed[1] == plain[1] and packed[1].strip()
+
+
 def test_generate_several_prompts_prints_headers(in_process_env, capsys, monkeypatch):
     status, out, err = run_cli(["generate", "--raw", "one", "two words", "--max-new-tokens", "2", "--stop", "zz"],
                                capsys, monkeypatch)

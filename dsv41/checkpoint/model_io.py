@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..model import formats
+from ..model.arena import WeightArena, set_module_tensor
 from ..config import ModelConfig, RuntimeConfig
 from .inventory import EXPERT_STACK, PER_EXPERT, is_expert_stack, module_name_of, released_inventory, stored_names
 from .sharding import ENGRAM_ROWS, SPLIT, check_parallel_sizes, rank_slice, shard_rule
@@ -48,23 +49,26 @@ QUANTIZED_STORED = ("F8_E4M3", "I8")
 _QUANTIZED_HELD = (torch.float8_e4m3fn, torch.int8)
 
 
-def to_module_format(weight: torch.Tensor, scale: torch.Tensor | None, target: torch.Tensor) -> torch.Tensor:
-    """A stored weight (+ its scale) → the dtype the module parameter `target` holds (dequantise or cast).
+def to_module_format(weight: torch.Tensor, scale: torch.Tensor | None, target: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """A stored weight (+ its scale) → the dtype the module parameter `target` holds (dequantise or cast),
+    written into `out` where given (a weight arena's slot: no converted copy beside it).
 
     Casting code values is never a conversion: a quantised weight without its scale, or anything but a
     copy into a quantised target, is refused (a bf16 weight cast to e4m3 would load garbage silently).
     """
     if target.dtype == weight.dtype:
         return weight
+    convert = (lambda v: v.to(target.dtype)) if out is None else out.copy_
     if target.dtype in _QUANTIZED_HELD:
         raise CheckpointError(f"a {weight.dtype} weight cannot become a quantised {target.dtype} one")
     if scale is None:
         if weight.dtype in _QUANTIZED_HELD:
             raise CheckpointError(f"a {weight.dtype} weight needs its scale to be dequantised")
-        return weight.to(target.dtype)
+        return convert(weight)
     if weight.dtype == torch.int8:
-        return formats.dequantize_fp4_weight(weight, scale).to(target.dtype)
-    return formats.dequantize_fp8_weight(weight, scale).to(target.dtype)
+        return convert(formats.dequantize_fp4_weight(weight, scale))
+    return convert(formats.dequantize_fp8_weight(weight, scale))
 
 
 def to_stored_format(value: torch.Tensor, weight: TensorSpec, scale: TensorSpec | None
@@ -93,15 +97,6 @@ def skipped_family(name: str, model: nn.Module) -> bool:
 
 
 # -------------------------------------------------------------------------------------- loading
-def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
-    owner_name, _, leaf = name.rpartition(".")
-    owner = model.get_submodule(owner_name) if owner_name else model
-    if leaf in owner._parameters:
-        owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
-    else:
-        owner._buffers[leaf] = value
-
-
 def _is_scale_of_quantized(name: str, tensors: dict[str, torch.Tensor]) -> bool:
     return name.endswith(".scale") and name[: -len("scale")] + "weight" in tensors and not name.endswith(
         ("hc_attn_scale", "hc_ffn_scale"))
@@ -198,8 +193,9 @@ def _refuse(ckpt: CheckpointDir, what: str, names: list[str]) -> None:
 
 
 def load_into(model: nn.Module, ckpt: CheckpointDir, *, device: str | torch.device = "cpu",
-              engram_on_disk: bool = False, progress: bool | None = None) -> list[str]:
-    """Materialise every module tensor of `model` (built on the meta device) from `ckpt`.
+              engram_on_disk: bool = False, progress: bool | None = None, huge_pages: bool = False) -> list[str]:
+    """Materialise every module tensor of `model` (built on the meta device) from `ckpt`; on the CPU with
+    `huge_pages`, each in its slot of one `WeightArena` (an Engram table left on disk stays mapped).
 
     Returns the stored names it left on disk (DSpark when not built, vision in a text-only build). Raises CheckpointError
     before touching the model if any module tensor has no stored source, or a stored weight is not in a
@@ -216,9 +212,13 @@ def load_into(model: nn.Module, ckpt: CheckpointDir, *, device: str | torch.devi
     stray = [n for n in left if n not in claimed and not skipped_family(n, model)]
     _refuse(ckpt, f"has {len(stray)} tensor(s) this model has no place for", stray)
     size = lambda e: sum(_part_bytes(ckpt, s, e.part) for s in e.sources + (e.scales or []))
+    on_disk = lambda name: engram_on_disk and name.rpartition(".")[0].endswith(".engram.embed")
+    arena = None
+    if huge_pages and torch.device(device).type == "cpu":
+        arena = WeightArena.of({name: t for name, t in tensors.items() if not on_disk(name)})
     with byte_progress(sum(map(size, plan)), "loading", enabled=progress) as bar:
         for entry in plan:
-            _load_one(model, tensors, entry, ckpt, device, engram_on_disk)
+            _load_one(model, tensors, entry, ckpt, device, engram_on_disk, arena)
             bar.update(size(entry))
     return left
 
@@ -228,15 +228,19 @@ def _part_bytes(ckpt: CheckpointDir, name: str, part: tuple[int, int] | None) ->
     return spec.nbytes * math.prod(_part_shape(ckpt, name, part)) // max(1, math.prod(spec.shape))
 
 
-def _read(ckpt: CheckpointDir, names: list[str], stacked: bool, part: tuple[int, int] | None = None) -> torch.Tensor:
-    """One stored tensor (this rank's cut of it), or the per-expert tensors read straight into one stack."""
+def _read(ckpt: CheckpointDir, names: list[str], stacked: bool, part: tuple[int, int] | None = None,
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """One stored tensor (this rank's cut of it), or the per-expert tensors read straight into one stack;
+    into `out` where it is given and has the stored shape and dtype (a weight arena's slot)."""
     if part is not None:
         cut = rank_slice(names[0], ckpt.spec(names[0]).shape, *part)
         return ckpt.tensor(names[0], slice_dim=cut.dim, start=cut.start, stop=cut.stop).clone()   # owned memory
-    if not stacked:
-        return ckpt.read(names[0])
     first = ckpt.spec(names[0])
-    out = torch.empty((len(names), *first.shape), dtype=torch_dtype(first.dtype))
+    shape, dtype = ((len(names), *first.shape) if stacked else tuple(first.shape)), torch_dtype(first.dtype)
+    if out is None or tuple(out.shape) != shape or out.dtype != dtype:
+        out = torch.empty(shape, dtype=dtype)
+    if not stacked:
+        return ckpt.read(names[0], out=out)
     for e, name in enumerate(names):
         ckpt.read(name, out=out[e])
     return out
@@ -250,31 +254,36 @@ def _mapped(ckpt: CheckpointDir, name: str, part: tuple[int, int] | None) -> tor
     return ckpt.tensor(name, slice_dim=cut.dim, start=cut.start, stop=cut.stop, random_access=True)
 
 
-def _load_one(model, tensors, entry: _Entry, ckpt, device, engram_on_disk) -> None:
+def _load_one(model, tensors, entry: _Entry, ckpt, device, engram_on_disk, arena: WeightArena | None) -> None:
     name, sources, scales, part = entry.name, entry.sources, entry.scales, entry.part
     target = tensors[name]
     if engram_on_disk and name.endswith(".engram.embed.weight"):
         table = model.get_submodule(name[: -len(".weight")])
         table.attach(_mapped(ckpt, sources[0], part), _mapped(ckpt, scales[0], part), movable=False, read_only=True)
         return
+    place = (lambda n, v: v) if arena is None else arena.place
+    slot = (lambda n: None) if arena is None else arena.slot
     stacked = is_expert_stack(name)
-    weight = _read(ckpt, sources, stacked, part)
-    scale = _read(ckpt, scales, stacked, part) if scales else None
+    scale_name = name[: -len("weight")] + "scale"
+    weight = _read(ckpt, sources, stacked, part, out=slot(name))
+    scale = _read(ckpt, scales, stacked, part, out=slot(scale_name)) if scales else None
     if scale is not None and target.dtype == weight.dtype:
-        _set_tensor(model, name[: -len("weight")] + "scale", scale.to(device))
+        set_module_tensor(model, scale_name, place(scale_name, scale.to(device)))
         value = weight.to(device)
     elif stacked and scale is not None:
         # dequantise expert by expert: the transient is one expert, not a second copy of the stack
-        value = torch.empty(target.shape, dtype=target.dtype, device=device)
+        value = slot(name)
+        if value is None:
+            value = torch.empty(target.shape, dtype=target.dtype, device=device)
         for e in range(len(sources)):
-            value[e] = to_module_format(weight[e], scale[e], target)
+            to_module_format(weight[e], scale[e], target, out=value[e])
         del weight, scale
     else:
-        value = to_module_format(weight, scale, target).to(device)
+        value = to_module_format(weight, scale, target, out=slot(name)).to(device)
     if tuple(value.shape) != tuple(target.shape):
         raise CheckpointError(f"{name}: stored tensors give shape {tuple(value.shape)}, the model holds "
                               f"{tuple(target.shape)}")
-    _set_tensor(model, name, value.contiguous())
+    set_module_tensor(model, name, place(name, value.contiguous()))
 
 
 def load_model(path: str | Path, runtime: RuntimeConfig | None = None, *, device: str | None = None,
@@ -312,7 +321,8 @@ def load_model(path: str | Path, runtime: RuntimeConfig | None = None, *, device
         on_plan(plan)
     if check_memory:
         check_fits(cfg, replace(runtime, device=str(device)), plan)
-    load_into(model, ckpt, device=device, engram_on_disk=engram_on_disk, progress=progress)
+    load_into(model, ckpt, device=device, engram_on_disk=engram_on_disk, progress=progress,
+              huge_pages=runtime.huge_pages)
     model.to(device)                                  # the rotary frequencies; pinned Engram tables stay
     if token_map is not None:
         model.set_token_map(token_map.to(device))
