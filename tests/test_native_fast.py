@@ -810,3 +810,120 @@ def test_a_traced_model_takes_the_torch_path_where_eager_takes_the_kernels(monke
         where = {(f.filename, f.name) for r in explained.break_reasons for f in r.user_stack}
         assert explained.graph_break_count > 0      # the id check's .item() still breaks: the list is real
         assert not [w for w in where if w[0].endswith("native/__init__.py") or w[1].startswith("_host")], where
+
+
+def _projection_weights(g: torch.Generator, D: int, Qr: int, H: int, Dh: int, G: int, Or: int, norm_dtype):
+    bf = lambda *shape, s=1.0: (torch.randn(*shape, generator=g) * s).bfloat16()
+    return dict(wq_a=bf(Qr, D, s=D ** -0.5), q_norm=(torch.rand(Qr, generator=g) + 0.5).to(norm_dtype),
+                wq_b=bf(H * Dh, Qr, s=Qr ** -0.5), wkv=bf(Dh, D, s=D ** -0.5),
+                kv_norm=(torch.rand(Dh, generator=g) + 0.5).to(norm_dtype),
+                wo_a=bf(G, Or, H * Dh // G, s=(H * Dh // G) ** -0.5), wo_b=bf(D, G * Or, s=(G * Or) ** -0.5))
+
+
+@pytest.mark.parametrize("norm_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N", [1, 3])
+def test_the_attention_projections_are_two_native_calls_with_the_bits_of_eleven(N, norm_dtype):
+    """projections.c: into the attention (wq_a, q_norm, wq_b, RoPE; wkv, kv_norm, RoPE) and out of it
+    (RoPE⁻¹, wo_a's groups, wo_b), each bit-equal to the layer's calls one by one, and within bf16's
+    rounding of the float64 formula written out here (so both cannot be wrong the same way)."""
+    from dsv41.model.layers import RMSNorm
+    from dsv41.model.rope import Rotary, yarn_frequencies
+    g = torch.Generator().manual_seed(33)
+    D, Qr, H, Dh, R, G, Or = 96, 64, 4, 32, 16, 2, 24
+    w = _projection_weights(g, D, Qr, H, Dh, G, Or, norm_dtype)
+    x = torch.randn(1, N, D, generator=g).bfloat16()
+    rotary = Rotary(R, yarn_frequencies(R, 10000.0, 0, 1.0, 0.0, 0.0), FAST_NATIVE)
+    positions = torch.arange(40, 40 + N)
+    phases = rotary.phases(positions)
+    qr, q, kv = FAST_NATIVE.attention_in(x, w["wq_a"], (w["q_norm"], 1e-6), w["wq_b"], w["wkv"], (w["kv_norm"], 1e-5),
+                                         phases, H)
+    q_norm, kv_norm = RMSNorm(Qr, 1e-6, numerics=FAST_NATIVE), RMSNorm(Dh, 1e-5, numerics=FAST_NATIVE)
+    q_norm.weight.data, kv_norm.weight.data = w["q_norm"], w["kv_norm"]
+    want_qr = q_norm(FAST_NATIVE.linear(x, w["wq_a"]))
+    want_q = rotary.rotate(FAST_NATIVE.linear(want_qr, w["wq_b"]).unflatten(-1, (H, Dh)), positions, phases=phases)
+    want_kv = rotary.rotate(kv_norm(FAST_NATIVE.linear(x, w["wkv"])), positions, phases=phases)
+    assert torch.equal(qr, want_qr) and torch.equal(q, want_q) and torch.equal(kv, want_kv)
+
+    o = torch.randn(1, N, H, Dh, generator=g).bfloat16()
+    y = FAST_NATIVE.attention_out(o, phases, w["wo_a"], w["wo_b"])
+    back = rotary.rotate(o, positions, inverse=True, phases=phases)
+    grouped = FAST_NATIVE.grouped_linear(back.flatten(2).unflatten(-1, (G, -1)), w["wo_a"]).flatten(2)
+    assert torch.equal(y, FAST_NATIVE.linear(grouped, w["wo_b"]))
+
+    # float64: the rotation, the norm, the groups written out
+    def rope64(t, sign):
+        angle = positions.double()[:, None] * rotary.freqs.double()                  # [N, R/2]
+        c, s = torch.cos(angle), sign * torch.sin(angle)
+        t = t.double().clone()
+        a, b = t[..., -R::2].clone(), t[..., -R + 1::2].clone()
+        shape = (N,) + (1,) * (t.dim() - 3) + (R // 2,)
+        c, s = c.view(shape), s.view(shape)
+        t[..., -R::2], t[..., -R + 1::2] = a * c - b * s, a * s + b * c
+        return t
+    norm64 = lambda t, wt, eps: t / torch.sqrt((t * t).mean(-1, keepdim=True) + eps) * wt.double()
+    x64 = x.double()[0]
+    qr64 = norm64(x64 @ w["wq_a"].double().T, w["q_norm"], 1e-6)
+    q64 = rope64((qr.double()[0] @ w["wq_b"].double().T).view(1, N, H, Dh), 1.0)
+    kv64 = rope64(norm64(x64 @ w["wkv"].double().T, w["kv_norm"], 1e-5).view(1, N, Dh), 1.0)
+    back64 = rope64(o.double(), -1.0).view(N, G, -1)
+    y64 = torch.einsum("ngi,gri->ngr", back64, w["wo_a"].double()).reshape(N, G * Or) @ w["wo_b"].double().T
+    for got, want in ((qr[0], qr64), (q, q64), (kv, kv64)):
+        assert (got.double() - want).abs().max() <= 0.02 * want.abs().max()
+    assert (y[0].double() - y64).abs().max() <= 0.03 * y64.abs().max()
+
+
+def test_the_policy_fuses_the_projections_of_decode_rows_only():
+    g = torch.Generator().manual_seed(34)
+    D, Qr, H, Dh, G, Or = 64, 32, 2, 32, 2, 16
+    w = _projection_weights(g, D, Qr, H, Dh, G, Or, torch.bfloat16)
+    phases = torch.polar(torch.ones(65, 8), torch.rand(65, 8, generator=g))
+    args = lambda x, ph: (x, w["wq_a"], (w["q_norm"], 1e-6), w["wq_b"], w["wkv"], (w["kv_norm"], 1e-6), ph, H)
+    x = torch.randn(1, 2, D, generator=g).bfloat16()
+    assert FAST_NATIVE.attention_in(*args(x, phases[:2])) is not None
+    assert FAST.attention_in(*args(x, phases[:2])) is None                         # no library in the policy
+    assert FAST_NATIVE.attention_in(*args(x.float(), phases[:2])) is None          # fp32 rows: torch's GEMM
+    many = torch.randn(1, 65, D, generator=g).bfloat16()                            # a prefill's rows
+    assert FAST_NATIVE.attention_in(*args(many, phases)) is None
+    assert Numerics("reference", "invariant", native=True).attention_in(*args(x, phases[:2])) is None
+    o = torch.randn(1, 2, H, Dh, generator=g).bfloat16()
+    assert FAST_NATIVE.attention_out(o, phases[:2], w["wo_a"], w["wo_b"]) is not None
+    assert FAST_NATIVE.attention_out(o, phases[:2], w["wo_a"].float(), w["wo_b"]) is None
+    with torch.enable_grad():
+        recording = w["wo_b"].float().requires_grad_().bfloat16()
+        assert FAST_NATIVE.attention_out(o, phases[:2], w["wo_a"], recording) is None
+
+
+def test_a_decode_step_takes_the_fused_projections_with_the_bits_of_the_layer_calls(monkeypatch):
+    from helpers import MAX_SEQ, binding_config, token_ids, without_dspark
+    runtime = RuntimeConfig(max_seq_len=2 * MAX_SEQ, max_batch_size=2, numerics="fast", dtype="bfloat16")
+    model = init_random_(Transformer(without_dspark(binding_config()), runtime), 0)
+    ids = token_ids(2, 40, model.cfg.vocab_size)
+
+    def run():
+        cache = model.new_cache(2, 2 * MAX_SEQ)
+        with torch.no_grad():
+            out = [model.logits(model(ids[:, :30], 0, cache).hidden)]
+            out += [model.logits(model(ids[:, p:p + 1], p, cache).hidden) for p in range(30, 40)]
+        return out
+
+    calls = []
+    real_in, real_out = native.attention_in, native.attention_out
+    monkeypatch.setattr(native, "attention_in", lambda *a: calls.append("in") or real_in(*a))
+    monkeypatch.setattr(native, "attention_out", lambda *a: calls.append("out") or real_out(*a))
+    fused = run()
+    assert calls.count("in") == calls.count("out") == 10 * model.cfg.n_layers      # the decode steps only
+    monkeypatch.setattr(native, "attention_in", lambda *a: None)
+    monkeypatch.setattr(native, "attention_out", lambda *a: None)
+    assert all(torch.equal(a, b) for a, b in zip(fused, run()))
+
+
+@pytest.mark.parametrize("old, new", [
+    ("dsv41_rope(1, N, H, Dh, R, 1, 1, 1, o, phases, rotated);", "dsv41_rope(1, N, H, Dh, R, 1, 1, 0, o, phases, rotated);"),
+    ("dsv41_rms_norm(N, Dh, kv_eps, kv_raw, 1, kv_norm, kv_norm_bf16, kv_raw);", ""),
+    ("rotated, I, H * Dh, wo_a", "rotated, H * Dh, I, wo_a"),
+])
+def test_a_mutated_projection_call_is_caught(old, new, tmp_path, monkeypatch):
+    lib = mutated_library("projections.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_the_attention_projections_are_two_native_calls_with_the_bits_of_eleven(3, torch.bfloat16)

@@ -180,9 +180,16 @@ class Attention(nn.Module):
         """x [1, N, D] (the call's packed tokens after attn_norm) → [1, N, D]."""
         pos, layer = step.positions, self.role.layer_id
         phases = handoff.step_phases(self.rotary, step)
-        qr = self.q_norm(self.wq_a(x))                                              # [1, N, Qr]
-        q = self.rotary.rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos, phases=phases)
-        kv = self.numerics.qdq_window(self.rotary.rotate(self.kv_norm(self.wkv(x)), pos, phases=phases))
+        entered = self.numerics.attention_in(x, self.wq_a.weight, (self.q_norm.weight, self.q_norm.eps),
+                                             self.wq_b.weight, self.wkv.weight, (self.kv_norm.weight, self.kv_norm.eps),
+                                             phases, self.n_heads)
+        if entered is not None:
+            qr, q, kv = entered
+        else:
+            qr = self.q_norm(self.wq_a(x))                                          # [1, N, Qr]
+            q = self.rotary.rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos, phases=phases)
+            kv = self.rotary.rotate(self.kv_norm(self.wkv(x)), pos, phases=phases)
+        kv = self.numerics.qdq_window(kv)
 
         pool = [cache.read_window(layer, step), kv[0]]                              # [B·W + N, Dh]
         if self.window not in handoff.window_rows:
@@ -196,6 +203,10 @@ class Attention(nn.Module):
 
         o = sparse_attention(q, torch.cat(pool)[None], rows[None], self.attn_sink, self.softmax_scale, self.numerics)
         cache.write_window(layer, kv[0], step)
+        wo_a = self.wo_a.weight.unflatten(0, (self.o_groups, self.o_lora_rank))
+        left = self.numerics.attention_out(o, phases, wo_a, self.wo_b.weight)      # trap 11 inside
+        if left is not None:
+            return self.wo_b.reduced(left)
         o = self.rotary.rotate(o, pos, inverse=True, phases=phases)                 # trap 11
         return self.wo_b(self._grouped_output(o))
 

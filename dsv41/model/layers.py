@@ -195,7 +195,10 @@ class RowParallelLinear(Linear):
         super().__init__(in_features, out_features, storage, shard=shard, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+        return self.reduced(super().forward(x))
+
+    def reduced(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product y summed over the TP group (itself without tensor parallelism)."""
         if self.shard is None:
             return y
         partial = y.float()

@@ -585,6 +585,32 @@ class Numerics:
             return None
         return native.hc_enter(x, pre, fn, scale, base, iters, norm_eps, hc_eps, norm_weight, eps, out, post, comb)
 
+    def _native_projections(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
+        """Whether a decode step's attention projections may run as one native call (`attention_in`,
+        `attention_out`): where the policy would take each of their products, norms and rotations
+        natively (fast numerics, bf16, few enough rows, no autograd), so the fused call has their bits."""
+        if not (self.native and not self.quantized and x.is_cpu and x.dtype == torch.bfloat16):
+            return False
+        if x.shape[:2].numel() > min(NATIVE_POSITIONS, self._fast_product_rows(True)):      # [1, N, …]
+            return False
+        return not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)))
+
+    def attention_in(self, x: torch.Tensor, wq_a: torch.Tensor, q_norm: tuple[torch.Tensor, float], wq_b: torch.Tensor,
+                     wkv: torch.Tensor, kv_norm: tuple[torch.Tensor, float], phases: torch.Tensor, heads: int):
+        """attention.py's query path (wq_a, q_norm, wq_b, RoPE) and key path (wkv, kv_norm, RoPE) of a decode
+        step, x [1, N, D] → (qr, q [1, N, H, Dh], kv), in one native call with the bits of the calls one by
+        one (docs/NUMERICS.md N33); None where the policy would leave any of them to torch."""
+        if not self._native_projections(x, wq_a, wq_b, wkv, q_norm[0], kv_norm[0]):
+            return None
+        return native.attention_in(x, wq_a, q_norm[0], q_norm[1], wq_b, wkv, kv_norm[0], kv_norm[1], phases, heads)
+
+    def attention_out(self, o: torch.Tensor, phases: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor):
+        """attention.py's inverse RoPE, wo_a's groups and wo_b of a decode step, o [1, N, H, Dh] → [1, N, D]
+        (this rank's partial product), in one native call with their bits (N33); None as above."""
+        if not self._native_projections(o, wo_a, wo_b):
+            return None
+        return native.attention_out(o, phases, wo_a, wo_b)
+
     def rope(self, x: torch.Tensor, phases: torch.Tensor, inverse: bool = False) -> torch.Tensor | None:
         """rope.py `Rotary.rotate` of at most `NATIVE_POSITIONS` positions in one native call, with its
         bits (docs/NUMERICS.md N13): phases complex64 [B or 1, T, R/2] (the kernel conjugates them for

@@ -53,7 +53,7 @@ from .. import formats
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("blockgemm.c", "quantize.c", "gemv.c", "mixes.c", "rope.c", "topk.c", "attention.c",
-                             "norm.c", "indexer.c", "engram.c"))
+                             "norm.c", "indexer.c", "engram.c", "projections.c"))
 # Included by the sources (bf16 ⇄ fp32, a thread's share of a loop): part of the library's key, found in
 # this folder (-I).
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "span.h"))
@@ -177,6 +177,11 @@ def load(path: Path) -> ctypes.CDLL:
     experts.restype = ctypes.c_int
     experts.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 12
                         + [ctypes.c_int, ctypes.c_void_p])
+    lib.dsv41_attention_in.restype = ctypes.c_int
+    lib.dsv41_attention_in.argtypes = ([ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float]
+                                       + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float] + [ctypes.c_void_p] * 4)
+    lib.dsv41_attention_out.restype = ctypes.c_int
+    lib.dsv41_attention_out.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] + [ctypes.c_void_p] * 5
     lib.dsv41_fp4_rows.restype = None
     lib.dsv41_fp4_rows.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3
     return lib
@@ -674,6 +679,60 @@ def rope(x: torch.Tensor, phases: torch.Tensor, inverse: bool = False) -> torch.
     lib.dsv41_rope(B, T, x.shape[2] if x.dim() == 4 else 1, F, R, PB, x.dtype == torch.bfloat16, inverse,
                    x.data_ptr(), phases.data_ptr(), out.data_ptr())
     return out
+
+
+def _bf16_rows(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+
+
+def attention_in(x: torch.Tensor, wq_a: torch.Tensor, q_norm: torch.Tensor, q_eps: float, wq_b: torch.Tensor,
+                 wkv: torch.Tensor, kv_norm: torch.Tensor, kv_eps: float, phases: torch.Tensor, heads: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A decode step's query and key paths in one call (projections.c `dsv41_attention_in`): x [1, N, D]
+    bf16 → (qr = q_norm(x · wq_aᵀ) [1, N, Qr], q = RoPE(qr · wq_bᵀ) [1, N, H, Dh], kv = RoPE(kv_norm(x ·
+    wkvᵀ)) [1, N, Dh]), the bits of `linear`, `rms_norm` and `rope` one by one. Weights bf16, norms bf16
+    or fp32, phases complex64 [N, R/2]. None where the kernel is not available or does not take the call."""
+    lib = _library()
+    if lib is None or not _bf16_rows(wq_a, wq_b, wkv) or x.dtype != torch.bfloat16 or phases.dtype != torch.complex64:
+        return None
+    (Qr, D), (HD, Dh) = wq_a.shape, (wq_b.shape[0], wkv.shape[0])
+    N, R = x.numel() // D, 2 * phases.shape[-1]
+    if (x.shape[-1], wq_b.shape[1], wkv.shape[1], HD, q_norm.numel(), kv_norm.numel()) != (D, Qr, D, heads * Dh, Qr, Dh):
+        return None
+    if phases.numel() * 2 != N * R or R > Dh or phases.is_conj() or not phases.is_contiguous():
+        return None
+    if q_norm.dtype not in _GEMV_DTYPES or kv_norm.dtype not in _GEMV_DTYPES:
+        return None
+    x, q_norm, kv_norm = x.contiguous(), q_norm.contiguous(), kv_norm.contiguous()
+    lead = x.shape[:-1]
+    qr, q, kv = x.new_empty(*lead, Qr), x.new_empty(*lead, heads, Dh), x.new_empty(*lead, Dh)
+    bf16 = torch.bfloat16
+    status = lib.dsv41_attention_in(N, D, Qr, heads, Dh, R, torch.get_num_threads(), x.data_ptr(), wq_a.data_ptr(),
+                                    q_norm.data_ptr(), q_norm.dtype == bf16, q_eps, wq_b.data_ptr(), wkv.data_ptr(),
+                                    kv_norm.data_ptr(), kv_norm.dtype == bf16, kv_eps, phases.data_ptr(),
+                                    qr.data_ptr(), q.data_ptr(), kv.data_ptr())
+    return (qr, q, kv) if status == 0 else None
+
+
+def attention_out(o: torch.Tensor, phases: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor) -> torch.Tensor | None:
+    """A decode step's way out of the attention in one call (projections.c `dsv41_attention_out`): o [1, N,
+    H, Dh] bf16 rotated back, its G groups through wo_a [G, Or, H·Dh/G], then wo_b [D, G·Or] → [1, N, D]
+    bf16 (before any tensor-parallel all-reduce), the bits of `rope`, `gemv` and `linear` one by one.
+    None where the kernel is not available or does not take the call."""
+    lib = _library()
+    if lib is None or not _bf16_rows(o, wo_a, wo_b) or phases.dtype != torch.complex64 or o.dim() != 4 or wo_a.dim() != 3:
+        return None
+    if o.shape[0] != 1:
+        return None
+    (_, N, H, Dh), (G, Or, I), (D, K) = o.shape, wo_a.shape, wo_b.shape
+    R = 2 * phases.shape[-1]
+    if G * I != H * Dh or K != G * Or or phases.numel() * 2 != N * R or R > Dh or phases.is_conj() \
+            or not phases.is_contiguous():
+        return None
+    y = o.new_empty(1, N, D)
+    status = lib.dsv41_attention_out(N, H, Dh, R, G, Or, D, torch.get_num_threads(), o.data_ptr(), phases.data_ptr(),
+                                     wo_a.data_ptr(), wo_b.data_ptr(), y.data_ptr())
+    return y if status == 0 else None
 
 
 def qdq(x: torch.Tensor, point: str) -> torch.Tensor | None:
