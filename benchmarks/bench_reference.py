@@ -141,16 +141,16 @@ def batch_speedup(model: Transformer, prefill: int, steps: int) -> tuple[float, 
     the batch-16 steps chose on average) for fast decode."""
     rates, chosen = [], []
 
-    def counting(route):
+    def counting(routed):
         def counted(*args, **kwargs):
-            weights, ids = route(*args, **kwargs)
+            y, ids = routed(*args, **kwargs)
             chosen.append(ids.unique().numel())
-            return weights, ids
+            return y, ids
         return counted
 
-    # the router, not the experts' forward: a few rows' routed and shared experts run as one native call
+    # the MoE's ids, whichever way it ran: a decode step's gate, router and experts are one native call
     for block in model.layers:
-        block.ffn.route = counting(block.ffn.route)
+        block.ffn.routed = counting(block.ffn.routed)
     for batch in (1, BATCH):
         chosen.clear()
         ids = torch.randint(0, model.cfg.vocab_size, (batch, prefill + steps), generator=torch.Generator().manual_seed(4))
@@ -161,7 +161,7 @@ def batch_speedup(model: Transformer, prefill: int, steps: int) -> tuple[float, 
             times.append(timed(lambda p=p: model.logits(model(ids[:, p:p + 1], p, cache).hidden[:, -1])))
         rates.append((statistics.median(times), batch / statistics.median(times)))
     for block in model.layers:
-        del block.ffn.route
+        del block.ffn.routed
     # the steps' share of the calls (the prefill's come first, one per layer)
     experts = statistics.mean(chosen[len(model.layers):])
     return rates[0][0] * 1e3, rates[1][1] / rates[0][1], experts

@@ -737,6 +737,8 @@ def test_the_shared_expert_joins_the_routed_call_with_the_bits_of_two(dtype, mon
     added last): the bits of the routed call followed by the shared one accumulating into it, and one
     call instead of two; rows past the AMX cut-off (bf16 there) or in another dtype keep two calls."""
     from dsv41.model.moe import MoE
+    # the layer's own calls, as where the whole MoE does not fuse (N33; a gate temperature, EP, images)
+    monkeypatch.setattr(native, "moe", lambda *a: None)
     g = torch.Generator().manual_seed(25)
     moe = MoE(64, 32, 8, 3, 1.5, 2.0, "bf16", vision=False, dense_storage="bf16", numerics=FAST_NATIVE, dtype=dtype)
     for p in moe.parameters():
@@ -823,7 +825,7 @@ def _projection_weights(g: torch.Generator, D: int, Qr: int, H: int, Dh: int, G:
 @pytest.mark.parametrize("norm_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("N", [1, 3])
 def test_the_attention_projections_are_two_native_calls_with_the_bits_of_eleven(N, norm_dtype):
-    """projections.c: into the attention (wq_a, q_norm, wq_b, RoPE; wkv, kv_norm, RoPE) and out of it
+    """sublayers.c: into the attention (wq_a, q_norm, wq_b, RoPE; wkv, kv_norm, RoPE) and out of it
     (RoPE⁻¹, wo_a's groups, wo_b), each bit-equal to the layer's calls one by one, and within bf16's
     rounding of the float64 formula written out here (so both cannot be wrong the same way)."""
     from dsv41.model.layers import RMSNorm
@@ -923,7 +925,106 @@ def test_a_decode_step_takes_the_fused_projections_with_the_bits_of_the_layer_ca
     ("rotated, I, H * Dh, wo_a", "rotated, H * Dh, I, wo_a"),
 ])
 def test_a_mutated_projection_call_is_caught(old, new, tmp_path, monkeypatch):
-    lib = mutated_library("projections.c", old, new, tmp_path, monkeypatch)
+    lib = mutated_library("sublayers.c", old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         test_the_attention_projections_are_two_native_calls_with_the_bits_of_eleven(3, torch.bfloat16)
+
+
+def _moe_case(g: torch.Generator, n: int, stored: bool):
+    from dsv41.model import formats
+    D, I, E, A = 64, 32, 8, 3
+    x = torch.randn(n, D, generator=g).bfloat16()
+    gate, bias = (torch.randn(E, D, generator=g) / 8).bfloat16(), torch.randn(E, generator=g) * 0.1
+    shared = tuple((torch.randn(*s, generator=g) / 8).bfloat16() for s in ((I, D), (I, D), (D, I)))
+    held = tuple((torch.randn(E, *s, generator=g) / 8).bfloat16() for s in ((I, D), (I, D), (D, I)))
+    if not stored:
+        return x, gate, bias, A, held, shared, None, held
+    banks, scales, values = [], [], []
+    for w in held:
+        codes = torch.randint(-128, 128, (*w.shape[:-1], w.shape[-1] // 2), generator=g, dtype=torch.int8)
+        scale = torch.randint(118, 128, (*w.shape[:-1], w.shape[-1] // 32), generator=g, dtype=torch.uint8)
+        scale = scale.view(torch.float8_e8m0fnu)
+        banks.append(codes), scales.append(scale)
+        values.append(torch.stack([formats.dequantize_fp4_weight(c, s) for c, s in zip(codes, scale)]).bfloat16())
+    return x, gate, bias, A, tuple(banks), shared, tuple(scales), tuple(values)
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["held", "stored"])
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_decode_steps_moe_is_one_native_call_with_the_bits_of_three(n, stored):
+    """sublayers.c `dsv41_moe`: the gate's widened logits, the router, the routed and shared experts,
+    bit-equal to the three calls one by one (`widened_linear`, `route`, `routed_experts` with the shared
+    expert, then the layer's cast), and within bf16 rounding of the float64 mixture written out here
+    for the experts it chose, which are the top-k of its float64 scores plus bias."""
+    from dsv41.model.moe import ROUTE_NORM_EPS
+    g = torch.Generator().manual_seed(35 + n)
+    x, gate, bias, A, banks, shared, scales, values = _moe_case(g, n, stored)
+    y, ids = FAST_NATIVE.moe(x, gate, bias, A, 1.5, ROUTE_NORM_EPS, 6.0, banks, shared, scales)
+    logits = FAST_NATIVE.widened_linear(x, gate)
+    weights, want_ids = FAST_NATIVE.route(logits, bias, A, 1.5, ROUTE_NORM_EPS, None, None)
+    want = FAST_NATIVE.routed_experts(x, want_ids, weights, *banks, 6.0, shared=shared, scales=scales,
+                                      dtype=torch.bfloat16)
+    assert torch.equal(ids, want_ids) and torch.equal(y, want.bfloat16())
+
+    scores = torch.sqrt(torch.nn.functional.softplus(x.double() @ gate.double().T))
+    assert torch.equal(ids.sort(-1).values, (scores + bias.double()).topk(A, dim=-1).indices.sort(-1).values)
+    w64 = scores.gather(1, ids)
+    w64 = w64 / w64.sum(-1, keepdim=True) * 1.5
+
+    def expert(v, w1, w3, w2):
+        gate_, up = (v @ w1.double().T).clamp(max=6.0), (v @ w3.double().T).clamp(-6.0, 6.0)
+        return (gate_ * torch.sigmoid(gate_) * up) @ w2.double().T
+
+    y64 = torch.stack([sum(w64[t, a] * expert(x[t].double(), *(b[ids[t, a]] for b in values)) for a in range(A))
+                       + expert(x[t].double(), *shared) for t in range(n)])
+    assert (y.double() - y64).abs().max() <= 0.03 * y64.abs().max()
+
+
+def test_the_policy_fuses_the_moe_of_decode_rows_only():
+    from dsv41.model.moe import ROUTE_NORM_EPS
+    g = torch.Generator().manual_seed(36)
+    x, gate, bias, A, banks, shared, _, _ = _moe_case(g, 2, False)
+    call = lambda policy, x, banks=banks: policy.moe(x, gate, bias, A, 1.0, ROUTE_NORM_EPS, 0.0, banks, shared)
+    assert call(FAST_NATIVE, x) is not None
+    assert call(FAST, x) is None
+    assert call(FAST_NATIVE, x.float()) is None                                       # fp32 rows
+    assert call(FAST_NATIVE, x[:1].expand(NATIVE_WIDE_ROWS + 1, -1).contiguous()) is None  # a prefill's rows
+    assert call(FAST_NATIVE, x, tuple(b.float() for b in banks)) is None              # banks of another dtype
+
+
+def test_a_decode_step_takes_the_fused_moe_with_the_bits_of_the_layer_calls(monkeypatch):
+    from helpers import MAX_SEQ, binding_config, token_ids, without_dspark
+    for stored in (False, True):
+        runtime = RuntimeConfig(max_seq_len=2 * MAX_SEQ, max_batch_size=2, numerics="fast", stored_experts=stored)
+        model = init_random_(Transformer(without_dspark(binding_config()), runtime), 0)
+        ids = token_ids(2, 40, model.cfg.vocab_size)
+
+        def run():
+            cache = model.new_cache(2, 2 * MAX_SEQ)
+            with torch.no_grad():
+                out = [model.logits(model(ids[:, :30], 0, cache).hidden)]
+                out += [model.logits(model(ids[:, p:p + 1], p, cache).hidden) for p in range(30, 40)]
+            return out
+
+        calls = []
+        real = native.moe
+        monkeypatch.setattr(native, "moe", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+        fused = run()
+        assert calls == [2] * (10 * model.cfg.n_layers)                               # the decode steps only
+        monkeypatch.setattr(native, "moe", lambda *a: None)
+        assert all(torch.equal(a, b) for a, b in zip(fused, run()))
+
+
+@pytest.mark.parametrize("old, new", [
+    ("dsv41_route(N, E, A, scale, eps,", "dsv41_route(N, E, A, 1.0f, eps,"),
+    ("w1, w3, w2, s1, s3, s2,\n                                      c1", "w1, w3, w2, NULL, NULL, NULL,\n                                      c1"),
+    ("y[i] = float_to_bf16(sum[i]);", "{ uint32_t u; memcpy(&u, &sum[i], 4); y[i] = (uint16_t)(u >> 16); }"),
+])
+def test_a_mutated_moe_call_is_caught(old, new, tmp_path, monkeypatch):
+    if "memcpy" in new:
+        new = new.replace("memcpy", "__builtin_memcpy")
+    lib = mutated_library("sublayers.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_a_decode_steps_moe_is_one_native_call_with_the_bits_of_three(4, False)

@@ -337,6 +337,9 @@ class MoE(nn.Module):
     def routed(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the output [B, T, D], the chosen expert ids [B·T, A]); training counts expert load from the ids."""
         flat = x.flatten(0, 1)
+        fused = self._fused(flat) if image_mask is None else None
+        if fused is not None:
+            return fused[0].view_as(x), fused[1]
         weights, chosen = self.route(flat, None if image_mask is None else image_mask.flatten())
         lo, hi = self.expert_range
         ids = torch.where((chosen >= lo) & (chosen < hi), chosen - lo, -1) if self.experts.partial else chosen
@@ -348,6 +351,20 @@ class MoE(nn.Module):
                 dist.all_reduce(y, group=self.experts_group)                   # in fp32, as the reference (§13)
             y = self.shared_experts.added_to(y, flat)
         return y.to(x.dtype).view_as(x), chosen
+
+
+    def _fused(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`routed` of a decode step's tokens as one native call of the policy's (the gate, the router, the
+        routed and shared experts; the same bits), where every expert is this rank's, the gate runs at
+        temperature 1 and the shared expert is held like the banks' dtype; else None."""
+        experts, shared = self.experts, self.shared_experts
+        if experts.partial or self.experts_parallel or self.gate_temp != 1.0 or shared.w1.quantized \
+                or shared.swiglu_limit != experts.swiglu_limit:
+            return None
+        scales = (experts.w1.scale, experts.w3.scale, experts.w2.scale) if experts.stored else None
+        return self.numerics.moe(flat, self.gate.weight, self.gate.bias, self.topk, self.route_scale, ROUTE_NORM_EPS,
+                                 experts.swiglu_limit, (experts.w1.weight, experts.w3.weight, experts.w2.weight),
+                                 (shared.w1.weight, shared.w3.weight, shared.w2.weight), scales)
 
 
 class Router(nn.Module):

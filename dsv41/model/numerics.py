@@ -611,6 +611,23 @@ class Numerics:
             return None
         return native.attention_out(o, phases, wo_a, wo_b)
 
+    def moe(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float, eps: float,
+            limit: float, banks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+            shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+            scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        """moe.py `MoE.routed` of a decode step's tokens x [n, D] (bf16) in one native call (N33): the gate's
+        widened logits, the router, the routed experts and the shared one, → (output [n, D] bf16, ids
+        [n, topk]), the bits of `widened_linear`, `route` and `routed_experts` one by one. None where the
+        policy would leave any of them to torch (then the layer makes them one by one)."""
+        if not (self.native and not self.quantized and x.is_cpu and x.dtype == torch.bfloat16):
+            return None
+        rows = x.shape[0]
+        if rows * topk > NATIVE_EXPERT_PAIRS or rows > self._fast_product_rows(False) or not self._shared_rows(x, shared[0]):
+            return None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, gate, *banks)):
+            return None
+        return native.moe(x, gate, bias, topk, route_scale, eps, limit, banks, shared, scales)
+
     def rope(self, x: torch.Tensor, phases: torch.Tensor, inverse: bool = False) -> torch.Tensor | None:
         """rope.py `Rotary.rotate` of at most `NATIVE_POSITIONS` positions in one native call, with its
         bits (docs/NUMERICS.md N13): phases complex64 [B or 1, T, R/2] (the kernel conjugates them for

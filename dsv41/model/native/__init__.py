@@ -53,7 +53,7 @@ from .. import formats
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("blockgemm.c", "quantize.c", "gemv.c", "mixes.c", "rope.c", "topk.c", "attention.c",
-                             "norm.c", "indexer.c", "engram.c", "projections.c"))
+                             "norm.c", "indexer.c", "engram.c", "sublayers.c"))
 # Included by the sources (bf16 ⇄ fp32, a thread's share of a loop): part of the library's key, found in
 # this folder (-I).
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "span.h"))
@@ -182,6 +182,9 @@ def load(path: Path) -> ctypes.CDLL:
                                        + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float] + [ctypes.c_void_p] * 4)
     lib.dsv41_attention_out.restype = ctypes.c_int
     lib.dsv41_attention_out.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] + [ctypes.c_void_p] * 5
+    lib.dsv41_moe.restype = ctypes.c_int
+    lib.dsv41_moe.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_float] * 3
+                              + [ctypes.c_void_p] * 12)
     lib.dsv41_fp4_rows.restype = None
     lib.dsv41_fp4_rows.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3
     return lib
@@ -688,7 +691,7 @@ def _bf16_rows(*tensors: torch.Tensor) -> bool:
 def attention_in(x: torch.Tensor, wq_a: torch.Tensor, q_norm: torch.Tensor, q_eps: float, wq_b: torch.Tensor,
                  wkv: torch.Tensor, kv_norm: torch.Tensor, kv_eps: float, phases: torch.Tensor, heads: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """A decode step's query and key paths in one call (projections.c `dsv41_attention_in`): x [1, N, D]
+    """A decode step's query and key paths in one call (sublayers.c `dsv41_attention_in`): x [1, N, D]
     bf16 → (qr = q_norm(x · wq_aᵀ) [1, N, Qr], q = RoPE(qr · wq_bᵀ) [1, N, H, Dh], kv = RoPE(kv_norm(x ·
     wkvᵀ)) [1, N, Dh]), the bits of `linear`, `rms_norm` and `rope` one by one. Weights bf16, norms bf16
     or fp32, phases complex64 [N, R/2]. None where the kernel is not available or does not take the call."""
@@ -715,7 +718,7 @@ def attention_in(x: torch.Tensor, wq_a: torch.Tensor, q_norm: torch.Tensor, q_ep
 
 
 def attention_out(o: torch.Tensor, phases: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor) -> torch.Tensor | None:
-    """A decode step's way out of the attention in one call (projections.c `dsv41_attention_out`): o [1, N,
+    """A decode step's way out of the attention in one call (sublayers.c `dsv41_attention_out`): o [1, N,
     H, Dh] bf16 rotated back, its G groups through wo_a [G, Or, H·Dh/G], then wo_b [D, G·Or] → [1, N, D]
     bf16 (before any tensor-parallel all-reduce), the bits of `rope`, `gemv` and `linear` one by one.
     None where the kernel is not available or does not take the call."""
@@ -733,6 +736,40 @@ def attention_out(o: torch.Tensor, phases: torch.Tensor, wo_a: torch.Tensor, wo_
     status = lib.dsv41_attention_out(N, H, Dh, R, G, Or, D, torch.get_num_threads(), o.data_ptr(), phases.data_ptr(),
                                      wo_a.data_ptr(), wo_b.data_ptr(), y.data_ptr())
     return y if status == 0 else None
+
+
+def moe(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, k: int, scale: float, eps: float, limit: float,
+        banks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A decode step's MoE in one call (sublayers.c `dsv41_moe`): x [n, D] bf16 → (the routed experts'
+    sum plus the shared expert's, rounded to bf16 [n, D], the chosen ids [n, k]), the bits of
+    `linear` (the gate widened), `route` and `routed_experts` one by one. gate [E, D] bf16, bias [E]
+    fp32; banks w1, w3 [E, I, D], w2 [E, D, I] bf16, or (with `scales`) fp4 bytes; shared w1, w3 [I, D],
+    w2 [D, I] bf16. None where the kernel is not available or does not take the call."""
+    lib = _library()
+    w1, w3, w2 = banks
+    if lib is None or not _bf16_rows(x, gate, *shared) or bias.dtype != torch.float32 or not bias.is_contiguous():
+        return None
+    if not all(w.is_contiguous() and w.dim() == 3 for w in banks):
+        return None
+    (n, D), (E, I) = x.shape, w1.shape[:2]
+    if scales is None and not all(w.dtype == torch.bfloat16 for w in banks):
+        return None
+    if scales is not None and not (all(w.dtype == torch.int8 for w in banks) and all(c.is_contiguous() for c in scales)
+                                   and [tuple(c.shape) for c in scales] == [(E, I, D // 32), (E, I, D // 32), (E, D, I // 32)]
+                                   and D % 32 == 0 and I % 32 == 0):
+        return None
+    expected = [(E, D), (E,), (E, I, D // (1 if scales is None else 2)), (E, I, D // (1 if scales is None else 2)),
+                (E, D, I // (1 if scales is None else 2)), (I, D), (I, D), (D, I)]
+    if [tuple(t.shape) for t in (gate, bias, w1, w3, w2, *shared)] != expected or not 0 < k <= E:
+        return None
+    ids, weights, y = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k), x.new_empty(n, D)
+    c1, c3, c2 = (None, None, None) if scales is None else tuple(c.data_ptr() for c in scales)
+    status = lib.dsv41_moe(n, D, E, k, I, torch.get_num_threads(), x.data_ptr(), gate.data_ptr(), bias.data_ptr(),
+                           scale, eps, limit, w1.data_ptr(), w3.data_ptr(), w2.data_ptr(),
+                           *(w.data_ptr() for w in shared), c1, c3, c2, ids.data_ptr(), weights.data_ptr(), y.data_ptr())
+    return (y, ids) if status == 0 else None
 
 
 def qdq(x: torch.Tensor, point: str) -> torch.Tensor | None:

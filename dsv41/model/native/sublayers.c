@@ -1,0 +1,112 @@
+/* A fast decode step's sublayers in fewer calls (docs/NUMERICS.md N33): the attention's projections in
+ * two calls instead of eleven (attention.py `Attention.forward`): into the attention, the query path
+ * (wq_a, q_norm, wq_b, RoPE) and the key path (wkv, kv_norm, RoPE); out of it, the inverse RoPE, wo_a's
+ * groups and wo_b. And the MoE in one call instead of three (moe.py `MoE.routed`): the gate's logits,
+ * the router and the routed and shared experts.
+ *
+ * Each part is the kernel the layer would call on its own (`dsv41_gemv`, `dsv41_rms_norm`, `dsv41_rope`,
+ * `dsv41_route`, `dsv41_routed_experts`), with the same arguments, in the same order, so the results have
+ * the same bits. What the fusion saves is what lies between the kernels: a wrapper, a tensor allocation
+ * and a ctypes call each, and the torch and Python steps of the layer, all of which run out of a cache
+ * the weight streams have just flushed (a dim-1024 window layer spent ~200 of its ~490 µs between its
+ * eleven kernels).
+ *
+ * Shapes: N packed tokens, D dim, Qr query rank, H heads, Dh head dim, R rope dim, G output groups,
+ * Or output rank per group; E experts, A chosen per token, I expert width. Activations and weights bf16;
+ * norm weights bf16 or fp32; phases fp32 (re, im) [N, R/2], one per token. All contiguous.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+int dsv41_gemv(int64_t P, int64_t M, int64_t N, int64_t K, int x_bf16, int w_bf16, int out_bf16, int exact,
+               int threads, const void *x, int64_t x_sp, int64_t x_sm, const void *w, int64_t w_sp, int64_t w_sn,
+               void *out, int64_t o_sp, int64_t o_sm);
+void dsv41_rms_norm(int64_t rows, int64_t D, float eps, const void *x, int x_bf16, const void *w, int w_bf16,
+                    void *out);
+void dsv41_rope(int64_t B, int64_t T, int64_t H, int64_t F, int64_t R, int64_t PB, int bf16, int conj,
+                const void *x, const float *phases, void *out);
+int dsv41_route(int64_t n, int64_t E, int64_t k, float scale, float eps, int threads, const float *logits,
+                const float *bias, const float *bias_vl, const uint8_t *image, int64_t *ids, float *weights);
+int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, int w_bf16, int x_bf16, float limit,
+                         int threads, const void *x, const int64_t *ids, const float *weights,
+                         const void *w1, const void *w3, const void *w2, const void *s1, const void *s3,
+                         const void *s2, const uint8_t *c1, const uint8_t *c3, const uint8_t *c2, int accumulate,
+                         float *out);
+
+/* One bf16 product of N rows: out [N, rows] = x [N, K] · w [rows, K]ᵀ (Linear.forward's). */
+static int product(int64_t N, int64_t rows, int64_t K, int threads, const uint16_t *x, const uint16_t *w,
+                   uint16_t *out) {
+    return dsv41_gemv(1, N, rows, K, 1, 1, 1, 0, threads, x, 0, K, w, 0, K, out, 0, rows);
+}
+
+/* qr = q_norm(x · wq_aᵀ) [N, Qr]; q = RoPE(qr · wq_bᵀ) [N, H, Dh]; kv = RoPE(kv_norm(x · wkvᵀ)) [N, Dh].
+ * Returns 0, or -1 (no memory, or a product refused its shapes; then nothing is to be used). */
+int dsv41_attention_in(int64_t N, int64_t D, int64_t Qr, int64_t H, int64_t Dh, int64_t R, int threads,
+                       const uint16_t *x, const uint16_t *wq_a, const void *q_norm, int q_norm_bf16, float q_eps,
+                       const uint16_t *wq_b, const uint16_t *wkv, const void *kv_norm, int kv_norm_bf16,
+                       float kv_eps, const float *phases, uint16_t *qr, uint16_t *q, uint16_t *kv) {
+    uint16_t *unrotated = malloc((size_t)(N * (H + 1) * Dh) * sizeof(uint16_t));
+    if (unrotated == NULL) return -1;
+    uint16_t *q_raw = unrotated, *kv_raw = unrotated + N * H * Dh;
+    int status = product(N, Qr, D, threads, x, wq_a, qr);
+    if (status == 0) {
+        dsv41_rms_norm(N, Qr, q_eps, qr, 1, q_norm, q_norm_bf16, qr);
+        status = product(N, H * Dh, Qr, threads, qr, wq_b, q_raw);
+    }
+    if (status == 0) {
+        dsv41_rope(1, N, H, Dh, R, 1, 1, 0, q_raw, phases, q);
+        status = product(N, Dh, D, threads, x, wkv, kv_raw);
+    }
+    if (status == 0) {
+        dsv41_rms_norm(N, Dh, kv_eps, kv_raw, 1, kv_norm, kv_norm_bf16, kv_raw);
+        dsv41_rope(1, N, 1, Dh, R, 1, 1, 0, kv_raw, phases, kv);
+    }
+    free(unrotated);
+    return status;
+}
+
+/* y = (groups of RoPE⁻¹(o) through wo_a's slices) · wo_bᵀ [N, D]: o [N, H, Dh] rotated back (the phases'
+ * conjugate), its row cut into G groups of I = H·Dh/G values, group g through wo_a [G, Or, I]'s slice g
+ * (attention.py `_grouped_output`: one `gemv` over G pairs), then wo_b [D, G·Or] (this rank's partial
+ * product under tensor parallelism; the all-reduce stays in Python). Returns 0 or -1, as above. */
+int dsv41_attention_out(int64_t N, int64_t H, int64_t Dh, int64_t R, int64_t G, int64_t Or, int64_t D, int threads,
+                        const uint16_t *o, const float *phases, const uint16_t *wo_a, const uint16_t *wo_b,
+                        uint16_t *y) {
+    const int64_t I = H * Dh / G;
+    uint16_t *rotated = malloc((size_t)(N * (H * Dh + G * Or)) * sizeof(uint16_t));
+    if (rotated == NULL) return -1;
+    uint16_t *grouped = rotated + N * H * Dh;
+    dsv41_rope(1, N, H, Dh, R, 1, 1, 1, o, phases, rotated);
+    int status = dsv41_gemv(G, N, Or, I, 1, 1, 1, 0, threads, rotated, I, H * Dh, wo_a, Or * I, I, grouped, Or,
+                            G * Or);
+    if (status == 0) status = product(N, D, G * Or, threads, grouped, wo_b, y);
+    free(rotated);
+    return status;
+}
+
+/* The MoE of N bf16 tokens x [N, D]: logits = fp32(x) · fp32(gate)ᵀ [N, E] (the gate bf16, widened as it
+ * is read: `widened_linear`; a gate temperature other than 1 stays with the layer); the router (`dsv41_route`: ids [N, A]
+ * int64, weights [N, A] fp32 out); the routed experts of banks w1, w3 [E, I, D] and w2 [E, D, I] (bf16,
+ * or fp4 bytes with scales c1, c3, c2) with the shared expert s1, s3, s2 (bf16, or NULL) added after
+ * them, in fp32; y [N, D] that sum rounded to bf16 (the layer's cast). Returns 0, or -1 (no memory, a
+ * product refused its shapes, an id out of range; then nothing is to be used). */
+int dsv41_moe(int64_t N, int64_t D, int64_t E, int64_t A, int64_t I, int threads, const uint16_t *x,
+              const uint16_t *gate, const float *bias, float scale, float eps, float limit,
+              const void *w1, const void *w3, const void *w2, const void *s1, const void *s3, const void *s2,
+              const uint8_t *c1, const uint8_t *c3, const uint8_t *c2, int64_t *ids, float *weights, uint16_t *y) {
+    float *widened = malloc((size_t)(N * (D + E + D)) * sizeof(float));
+    if (widened == NULL) return -1;
+    float *logits = widened + N * D, *sum = logits + N * E;
+    for (int64_t i = 0; i < N * D; i++) widened[i] = bf16_to_float(x[i]);
+    int status = dsv41_gemv(1, N, E, D, 0, 1, 0, 0, threads, widened, 0, D, gate, 0, D, logits, 0, E);
+    if (status == 0) status = dsv41_route(N, E, A, scale, eps, threads, logits, bias, NULL, NULL, ids, weights);
+    if (status == 0)
+        status = dsv41_routed_experts(N, A, E, D, I, 1, 1, limit, threads, x, ids, weights, w1, w3, w2, s1, s3, s2,
+                                      c1, c3, c2, 0, sum);
+    if (status == 0)
+        for (int64_t i = 0; i < N * D; i++) y[i] = float_to_bf16(sum[i]);
+    free(widened);
+    return status;
+}
