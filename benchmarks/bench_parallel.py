@@ -51,7 +51,7 @@ BATCHES = (1, 4)
 DECODE_SITES = ("embed", "wo_b", "indexer", "moe", "engram", "head")
 DRAFT_SITES = ("embed", "wo_b", "moe", "head", "markov embed", "markov head")
 # the forward (code qualname) that issues each of the model's collectives
-SITES = {"Embedding.forward": "embed", "RowParallelLinear.forward": "wo_b", "Indexer.scores": "indexer",
+SITES = {"Embedding.forward": "embed", "RowParallelLinear.reduced": "wo_b", "Indexer.scores": "indexer",
          "MoE.routed": "moe", "Engram.forward": "engram", "Head.forward": "head"}
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                "all_to_all_single")

@@ -299,8 +299,9 @@ class Attention(nn.Module):
         device = latent.device
         rows, owners = torch.tensor(rows, device=device), torch.tensor(owners, device=device)
         positions = rows * self.role.ratio
-        keys = self.indexer.keys(latent[None], positions, self.rotary)[0]
-        kv = self.numerics.qdq_compressed(self.rotary.rotate(latent[None], positions))[0]
+        phases = self.rotary.phases(positions)                      # once for the keys and the latents
+        keys = self.indexer.keys(latent[None], positions, self.rotary, phases)[0]
+        kv = self.numerics.qdq_compressed(self.rotary.rotate(latent[None], positions, phases=phases))[0]
         source.publish_rows(owners, rows, kv, keys)
 
     def _keys_owner(self, step: Step, cache: ModelCache, r: int, published: list[bool]) -> int:

@@ -186,10 +186,12 @@ class Indexer(nn.Module):
         return indexer_tiling(n_queries, n_compressed, self.n_heads, self.head_dim, self.budget_bytes,
                               itemsize=itemsize, invariant=self.numerics.invariant)
 
-    def keys(self, latent: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        """Index keys [B, n, Di] from pre-RoPE latents [B, n, Dh] rotated at their group's first token."""
+    def keys(self, latent: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+             phases: torch.Tensor | None = None) -> torch.Tensor:
+        """Index keys [B, n, Di] from pre-RoPE latents [B, n, Dh] rotated at their group's first token;
+        `phases`: rotary's at these positions, if already computed."""
         k = self.k_norm(self.wk(latent))
-        return self.numerics.qdq_index(rotary.rotate(k, positions))
+        return self.numerics.qdq_index(rotary.rotate(k, positions, phases=phases))
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
                 phases: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
