@@ -14,11 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from dsv41.checkpoint.model_io import load_model, save_model
+from dsv41.checkpoint.model_io import load_model
 from dsv41.config import RuntimeConfig
 from dsv41.model.arena import SLOT_ALIGN, WeightArena, module_tensors, pack_weights
 
 from helpers import MAX_SEQ, binding_config, build, token_ids, without_dspark
+from test_model_io import saved  # noqa: F401  (the sharded checkpoint fixture)
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux's")
 
@@ -40,14 +41,6 @@ def _vm_flags(address: int) -> set[str]:
         elif inside and head == "VmFlags:":
             return set(line.split()[1:])
     raise AssertionError(f"no mapping holds {address:#x}")
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    model = build(without_dspark(binding_config()), "reference")
-    directory = tmp_path_factory.mktemp("ckpt")
-    save_model(model, directory, max_shard_bytes=150_000)
-    return model, directory
 
 
 @pytest.mark.parametrize("runtime", [dict(), dict(numerics="fast"), dict(numerics="fast", stored_experts=True),

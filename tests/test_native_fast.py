@@ -895,19 +895,22 @@ def test_the_policy_fuses_the_projections_of_decode_rows_only():
         assert FAST_NATIVE.attention_out(o, phases[:2], w["wo_a"], recording) is None
 
 
+def _two_rows_decoding(model) -> list[torch.Tensor]:
+    """The logits of two rows' 30-token prefill and their ten decode steps after it."""
+    from helpers import MAX_SEQ, token_ids
+    ids = token_ids(2, 40, model.cfg.vocab_size)
+    cache = model.new_cache(2, 2 * MAX_SEQ)
+    with torch.no_grad():
+        out = [model.logits(model(ids[:, :30], 0, cache).hidden)]
+        out += [model.logits(model(ids[:, p:p + 1], p, cache).hidden) for p in range(30, 40)]
+    return out
+
+
 def test_a_decode_step_takes_the_fused_projections_with_the_bits_of_the_layer_calls(monkeypatch):
-    from helpers import MAX_SEQ, binding_config, token_ids, without_dspark
+    from helpers import MAX_SEQ, binding_config, without_dspark
     runtime = RuntimeConfig(max_seq_len=2 * MAX_SEQ, max_batch_size=2, numerics="fast", dtype="bfloat16")
     model = init_random_(Transformer(without_dspark(binding_config()), runtime), 0)
-    ids = token_ids(2, 40, model.cfg.vocab_size)
-
-    def run():
-        cache = model.new_cache(2, 2 * MAX_SEQ)
-        with torch.no_grad():
-            out = [model.logits(model(ids[:, :30], 0, cache).hidden)]
-            out += [model.logits(model(ids[:, p:p + 1], p, cache).hidden) for p in range(30, 40)]
-        return out
-
+    run = lambda: _two_rows_decoding(model)
     calls = []
     real_in, real_out = native.attention_in, native.attention_out
     monkeypatch.setattr(native, "attention_in", lambda *a: calls.append("in") or real_in(*a))
@@ -994,19 +997,11 @@ def test_the_policy_fuses_the_moe_of_decode_rows_only():
 
 
 def test_a_decode_step_takes_the_fused_moe_with_the_bits_of_the_layer_calls(monkeypatch):
-    from helpers import MAX_SEQ, binding_config, token_ids, without_dspark
+    from helpers import MAX_SEQ, binding_config, without_dspark
     for stored in (False, True):
         runtime = RuntimeConfig(max_seq_len=2 * MAX_SEQ, max_batch_size=2, numerics="fast", stored_experts=stored)
         model = init_random_(Transformer(without_dspark(binding_config()), runtime), 0)
-        ids = token_ids(2, 40, model.cfg.vocab_size)
-
-        def run():
-            cache = model.new_cache(2, 2 * MAX_SEQ)
-            with torch.no_grad():
-                out = [model.logits(model(ids[:, :30], 0, cache).hidden)]
-                out += [model.logits(model(ids[:, p:p + 1], p, cache).hidden) for p in range(30, 40)]
-            return out
-
+        run = lambda: _two_rows_decoding(model)
         calls = []
         real = native.moe
         monkeypatch.setattr(native, "moe", lambda *a: calls.append(a[0].shape[0]) or real(*a))
