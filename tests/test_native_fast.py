@@ -847,7 +847,7 @@ def test_the_attention_projections_are_two_native_calls_with_the_bits_of_eleven(
     assert torch.equal(qr, want_qr) and torch.equal(q, want_q) and torch.equal(kv, want_kv)
 
     o = torch.randn(1, N, H, Dh, generator=g).bfloat16()
-    y = FAST_NATIVE.attention_out(o, phases, w["wo_a"], w["wo_b"])
+    y = FAST_NATIVE.attention_out(o, phases, w["wo_a"].flatten(0, 1), G, w["wo_b"])
     back = rotary.rotate(o, positions, inverse=True, phases=phases)
     grouped = FAST_NATIVE.grouped_linear(back.flatten(2).unflatten(-1, (G, -1)), w["wo_a"]).flatten(2)
     assert torch.equal(y, FAST_NATIVE.linear(grouped, w["wo_b"]))
@@ -888,11 +888,11 @@ def test_the_policy_fuses_the_projections_of_decode_rows_only():
     assert FAST_NATIVE.attention_in(*args(many, phases)) is None
     assert Numerics("reference", "invariant", native=True).attention_in(*args(x, phases[:2])) is None
     o = torch.randn(1, 2, H, Dh, generator=g).bfloat16()
-    assert FAST_NATIVE.attention_out(o, phases[:2], w["wo_a"], w["wo_b"]) is not None
-    assert FAST_NATIVE.attention_out(o, phases[:2], w["wo_a"].float(), w["wo_b"]) is None
+    assert FAST_NATIVE.attention_out(o, phases[:2], w["wo_a"].flatten(0, 1), G, w["wo_b"]) is not None
+    assert FAST_NATIVE.attention_out(o, phases[:2], w["wo_a"].flatten(0, 1).float(), G, w["wo_b"]) is None
     with torch.enable_grad():
         recording = w["wo_b"].float().requires_grad_().bfloat16()
-        assert FAST_NATIVE.attention_out(o, phases[:2], w["wo_a"], recording) is None
+        assert FAST_NATIVE.attention_out(o, phases[:2], w["wo_a"].flatten(0, 1), G, recording) is None
 
 
 def _two_rows_decoding(model) -> list[torch.Tensor]:

@@ -203,8 +203,7 @@ class Attention(nn.Module):
 
         o = sparse_attention(q, torch.cat(pool)[None], rows[None], self.attn_sink, self.softmax_scale, self.numerics)
         cache.write_window(layer, kv[0], step)
-        wo_a = self.wo_a.weight.unflatten(0, (self.o_groups, self.o_lora_rank))
-        left = self.numerics.attention_out(o, phases, wo_a, self.wo_b.weight)      # trap 11 inside
+        left = self.numerics.attention_out(o, phases, self.wo_a.weight, self.o_groups, self.wo_b.weight)  # trap 11
         if left is not None:
             return self.wo_b.reduced(left)
         o = self.rotary.rotate(o, pos, inverse=True, phases=phases)                 # trap 11

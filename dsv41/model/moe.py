@@ -352,7 +352,6 @@ class MoE(nn.Module):
             y = self.shared_experts.added_to(y, flat)
         return y.to(x.dtype).view_as(x), chosen
 
-
     def _fused(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`routed` of a decode step's tokens as one native call of the policy's (the gate, the router, the
         routed and shared experts; the same bits), where every expert is this rank's, the gate runs at

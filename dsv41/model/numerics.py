@@ -604,12 +604,13 @@ class Numerics:
             return None
         return native.attention_in(x, wq_a, q_norm[0], q_norm[1], wq_b, wkv, kv_norm[0], kv_norm[1], phases, heads)
 
-    def attention_out(self, o: torch.Tensor, phases: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor):
-        """attention.py's inverse RoPE, wo_a's groups and wo_b of a decode step, o [1, N, H, Dh] → [1, N, D]
-        (this rank's partial product), in one native call with their bits (N33); None as above."""
+    def attention_out(self, o: torch.Tensor, phases: torch.Tensor, wo_a: torch.Tensor, groups: int, wo_b: torch.Tensor):
+        """attention.py's inverse RoPE, wo_a's groups (wo_a [G·Or, H·Dh/G], G = `groups`) and wo_b of a decode
+        step, o [1, N, H, Dh] → [1, N, D] (this rank's partial product), in one native call with their bits
+        (N33); None as above."""
         if not self._native_projections(o, wo_a, wo_b):
             return None
-        return native.attention_out(o, phases, wo_a, wo_b)
+        return native.attention_out(o, phases, wo_a.unflatten(0, (groups, -1)), wo_b)
 
     def moe(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float, eps: float,
             limit: float, banks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],

@@ -755,15 +755,15 @@ def moe(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, k: int, scale: 
     if not all(w.is_contiguous() and w.dim() == 3 for w in banks):
         return None
     (n, D), (E, I) = x.shape, w1.shape[:2]
-    if scales is None and not all(w.dtype == torch.bfloat16 for w in banks):
-        return None
-    if scales is not None and not (all(w.dtype == torch.int8 for w in banks) and all(c.is_contiguous() for c in scales)
-                                   and [tuple(c.shape) for c in scales] == [(E, I, D // 32), (E, I, D // 32), (E, D, I // 32)]
-                                   and D % 32 == 0 and I % 32 == 0):
-        return None
-    expected = [(E, D), (E,), (E, I, D // (1 if scales is None else 2)), (E, I, D // (1 if scales is None else 2)),
-                (E, D, I // (1 if scales is None else 2)), (I, D), (I, D), (D, I)]
-    if [tuple(t.shape) for t in (gate, bias, w1, w3, w2, *shared)] != expected or not 0 < k <= E:
+    held = torch.bfloat16 if scales is None else torch.int8
+    per_byte = 1 if scales is None else 2                                   # fp4: two values a byte
+    tensors, expected = [gate, bias, w1, w3, w2, *shared], [(E, D), (E,), (E, I, D // per_byte), (E, I, D // per_byte),
+                                                          (E, D, I // per_byte), (I, D), (I, D), (D, I)]
+    if scales is not None:
+        if D % 32 or I % 32 or not all(c.is_contiguous() for c in scales):
+            return None
+        tensors, expected = tensors + list(scales), expected + [(E, I, D // 32), (E, I, D // 32), (E, D, I // 32)]
+    if any(w.dtype != held for w in banks) or [tuple(t.shape) for t in tensors] != expected or not 0 < k <= E:
         return None
     ids, weights, y = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k), x.new_empty(n, D)
     c1, c3, c2 = (None, None, None) if scales is None else tuple(c.data_ptr() for c in scales)
