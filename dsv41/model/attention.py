@@ -229,7 +229,7 @@ class Attention(nn.Module):
         source = cache.sources[role.kv_source]
         published = [False] * step.n_rows
         if role.is_kv_source:
-            published = self._compress(x, step, source)
+            published = self._compress(x, step, handoff, source)
             for slot, done in zip(step.slots, published):
                 if done:
                     cache.published_keys[slot] = role.layer_id
@@ -244,7 +244,11 @@ class Attention(nn.Module):
                 if slots == tuple(range(slots[0], slots[0] + len(slots))):          # a run of slots: a view
                     return keys[slots[0]:slots[0] + len(slots), :C]
                 return keys[step.slot_index[rows], :C]
-            handoff.publish_selection(role.layer_id, self.select(x, qr, step, handoff, C, keys_of))
+            owners = [self._keys_owner(step, cache, r, published) for r in range(step.n_rows)]
+            chosen = self._select_decode(x, qr, step, handoff, C, [(cache.sources[o].index_keys, s)
+                                                                   for o, s in zip(owners, step.slots)])
+            handoff.publish_selection(role.layer_id, self.select(x, qr, step, handoff, C, keys_of)
+                                      if chosen is None else chosen)
         selected = handoff.selection_for(role)                                      # [N, k]
         N, k = selected.shape
         if N * k < step.n_rows * C:
@@ -257,14 +261,21 @@ class Attention(nn.Module):
         kv = source.kv[step.slot_index, :C]          # [B, C, Dh]; the slots' tensor: no copy from a list
         return kv.flatten(0, 1), torch.where(selected >= 0, step.row.unsqueeze(1) * C + (selected + base), -1)
 
-    def _compress(self, x: torch.Tensor, step: Step, source: SourceState) -> list[bool]:
+    def _compress(self, x: torch.Tensor, step: Step, handoff: Handoff, source: SourceState) -> list[bool]:
         """Compress the groups each row completes into its slot's rows and index keys; → per row, whether
-        it published any.
+        it published any. A decode step of an r = 1 source publishes every row's token in one native call
+        where the policy takes it (`Numerics.publish`, N34).
 
         The projections run over the call's tokens at once and the new latents of every row get their
         keys and rotations together (under exact-sum kernels a row's bits do not depend on the others),
         except where `Numerics.rows_alone`: each row on its own, so that it sums as it does alone (N1).
         A decode step's rows also pool together (`Compressor.decode_rows`)."""
+        if self.role.ratio == 1 and max(step.counts) == 1:
+            compressor = (self.compressor.wkv.weight, self.compressor.norm.weight, self.compressor.norm.eps)
+            if self.numerics.publish(x[0], compressor, None, self._index_key_weights(),
+                                     handoff.step_phases(self.rotary, step), source.kv, source.index_keys,
+                                     list(step.slots), list(step.starts)):
+                return [True] * step.n_rows
         together = step.n_rows > 1 and not self.numerics.rows_alone
         projected = self.compressor.project(x[0]) if together else None
         if together and max(step.counts) == 1:
@@ -296,12 +307,18 @@ class Attention(nn.Module):
         """Rotate the pre-RoPE latents [G, Dh] (compressed row rows[i] of slot owners[i]) at their groups'
         first tokens (trap 8), derive their index keys, and write both into the slots' compressed rows."""
         device = latent.device
-        rows, owners = torch.tensor(rows, device=device), torch.tensor(owners, device=device)
-        positions = rows * self.role.ratio
+        positions = torch.tensor(rows, device=device) * self.role.ratio
         phases = self.rotary.phases(positions)                      # once for the keys and the latents
+        if self.numerics.publish(None, None, latent, self._index_key_weights(), phases, source.kv, source.index_keys,
+                                 owners, rows):
+            return
         keys = self.indexer.keys(latent[None], positions, self.rotary, phases)[0]
         kv = self.numerics.qdq_compressed(self.rotary.rotate(latent[None], positions, phases=phases))[0]
-        source.publish_rows(owners, rows, kv, keys)
+        source.publish_rows(torch.tensor(owners, device=device), torch.tensor(rows, device=device), kv, keys)
+
+    def _index_key_weights(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(wk, k_norm weight, eps): what `Indexer.keys` derives a latent's index key with."""
+        return self.indexer.wk.weight, self.indexer.k_norm.weight, self.indexer.k_norm.eps
 
     def _keys_owner(self, step: Step, cache: ModelCache, r: int, published: list[bool]) -> int:
         """Whose index keys row r scores against: the kv source's, or with `stale_index_keys` the last
@@ -320,6 +337,24 @@ class Attention(nn.Module):
             return False
         itemsize = 8 if self.numerics.invariant else 4
         return step.n_rows * C * self.indexer.head_dim * itemsize <= self.indexer.budget_bytes
+
+    def _select_decode(self, x, qr, step: Step, handoff: Handoff, C: int, keys: list[tuple[torch.Tensor, int]]):
+        """`select` of a decode step (one token per row) in one native call where the policy takes it
+        (`Numerics.index_select`, N34), its kept-block mask published as `select` does; keys: per row the
+        index keys it scores against and its slot in them. None where the policy declines."""
+        role, indexer = self.role, self.indexer
+        if C == 0 or max(step.counts) > 1 or indexer.heads_shard is not None:
+            return None
+        blocks = (self.candidate_topk_blocks, self.candidate_block_size) if role.is_candidate_source else None
+        restrict = handoff.candidates_for(role) if blocks is None and role.candidate_source is not None else None
+        chosen = self.numerics.index_select(x, qr, (indexer.wq_b.weight, indexer.weights_proj.weight, indexer.weight_scale),
+                                            handoff.step_phases(self.rotary, step), keys, C, step.visible(role.ratio),
+                                            self.index_topk, blocks, restrict)
+        if chosen is None:
+            return None
+        if blocks is not None:
+            handoff.publish_candidates(role.layer_id, chosen[1][None])
+        return chosen[0]
 
     def select(self, x, qr, step: Step, handoff: Handoff, C: int, keys_of):
         """[N, k] compressed positions per token, ascending, −1 for none (§11.6); keys_of(rows): the index

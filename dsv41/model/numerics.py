@@ -612,6 +612,37 @@ class Numerics:
             return None
         return native.attention_out(o, phases, wo_a.unflatten(0, (groups, -1)), wo_b)
 
+    def publish(self, tokens: torch.Tensor | None, compressor: tuple[torch.Tensor, torch.Tensor, float] | None,
+                latent: torch.Tensor | None, indexer: tuple[torch.Tensor, torch.Tensor, float], phases: torch.Tensor,
+                kv: torch.Tensor, index_keys: torch.Tensor, slots: list[int], rows: list[int]) -> bool:
+        """attention.py `Attention._publish` of a decode step's new compressed rows in one native call
+        (N34): from the latents [G, Dh] pre-RoPE, or from the tokens [G, D] of an r = 1 source with its
+        compressor's (wkv, norm weight, eps), the RoPE'd rows and their index keys (the indexer's (wk,
+        k_norm weight, eps)) written as row rows[i] of slot slots[i] of the cache's kv and index_keys.
+        False where the policy would leave any part to torch (nothing written then)."""
+        source = latent if tokens is None else tokens
+        weights = (indexer[0], indexer[1], *(compressor[:2] if compressor else ()))
+        if not self._native_projections(source[None], *weights) or not _cache_rows(kv, index_keys, slots, rows):
+            return False
+        kv_rows, key_rows = native.row_addresses(kv, slots, rows), native.row_addresses(index_keys, slots, rows)
+        wkv, norm, eps = compressor or (None, None, 0.0)
+        return native.publish(tokens, wkv, norm, eps, latent, *indexer, phases, kv_rows, key_rows)
+
+    def index_select(self, x: torch.Tensor, qr: torch.Tensor, indexer: tuple[torch.Tensor, torch.Tensor, float],
+                     phases: torch.Tensor, keys: list[tuple[torch.Tensor, int]], C: int, visible: torch.Tensor,
+                     topk: int, blocks: tuple[int, int] | None, restrict: torch.Tensor | None):
+        """attention.py `Attention.select` of a decode step's tokens x [1, N, D] (one per row), qr [1, N, Qr],
+        in one native call (N34): the indexer's queries (its (wq_b, weights_proj, weight scale)), each
+        token's scores against its row's keys (`keys`: per token the cache's index_keys and the slot),
+        the candidate stage (`blocks`) or restriction, the top-k → (chosen [N, k], kept-block mask [N, C]
+        or None), the bits of the calls one by one. None where the policy would leave a part to torch."""
+        if not self._native_projections(x, qr, indexer[0], indexer[1]):
+            return None
+        if any(t.dtype != torch.bfloat16 or t.shape[1] < C or t.stride(2) != 1 or not 0 <= s < t.shape[0] for t, s in keys):
+            return None
+        key_rows = torch.tensor([t.data_ptr() + s * t.stride(0) * t.element_size() for t, s in keys], dtype=torch.int64)
+        return native.index_select(x, qr, *indexer, phases, key_rows, C, visible, topk, blocks, restrict)
+
     def moe(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float, eps: float,
             limit: float, banks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
             shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -789,3 +820,12 @@ def _round(x64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 REFERENCE = Numerics("reference", "invariant")
 FAST = Numerics("fast", "blas")
+
+
+def _cache_rows(kv: torch.Tensor, index_keys: torch.Tensor, slots: list[int], rows: list[int]) -> bool:
+    """Whether a native kernel may write row rows[i] of slot slots[i] of both bf16 cache tensors: every
+    pair inside them (an indexed write out of range raises; a pointer would write past the tensor)."""
+    if kv.dtype != torch.bfloat16 or index_keys.dtype != torch.bfloat16 or kv.stride(2) != 1 or index_keys.stride(2) != 1:
+        return False
+    n_slots, length = min(kv.shape[0], index_keys.shape[0]), min(kv.shape[1], index_keys.shape[1])
+    return all(0 <= s < n_slots and 0 <= r < length for s, r in zip(slots, rows))

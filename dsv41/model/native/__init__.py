@@ -25,7 +25,9 @@ router after the gate's logits (`route`: √softplus, the biased top-k, the norm
 `attention.c` a fast decode step's sparse attention (one softmax with the sink) instead of ~20,
 `norm.c` its RMSNorms, `indexer.c` its index scores (a ReLU-weighted head sum per key) instead of ~10
 per batch row. `sublayers.c` strings those kernels together for a decode step's attention projections
-(in and out) and its whole MoE, three calls a layer where there were fourteen, with the same bits (N33).
+(in and out) and its whole MoE, three calls a layer where there were fourteen, with the same bits (N33);
+`compressed.c` for its compressed branch: a kv source's new cache rows and an index source's choice of
+positions, two calls where there were a dozen (N34).
 
 Threads come from OpenMP, which loads as torch's own copy of the runtime (the same soname), so a call
 joins torch's warm pool (~1 µs) instead of starting threads.
@@ -54,7 +56,7 @@ from .. import formats
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("blockgemm.c", "quantize.c", "gemv.c", "mixes.c", "rope.c", "topk.c", "attention.c",
-                             "norm.c", "indexer.c", "engram.c", "sublayers.c"))
+                             "norm.c", "indexer.c", "engram.c", "sublayers.c", "compressed.c"))
 # Included by the sources (bf16 ⇄ fp32, a thread's share of a loop): part of the library's key, found in
 # this folder (-I).
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "span.h"))
@@ -186,6 +188,12 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_moe.restype = ctypes.c_int
     lib.dsv41_moe.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_float] * 3
                               + [ctypes.c_void_p] * 12)
+    lib.dsv41_publish.restype = ctypes.c_int
+    lib.dsv41_publish.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float]
+                                  + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float] + [ctypes.c_void_p] * 3)
+    lib.dsv41_index_select.restype = ctypes.c_int
+    lib.dsv41_index_select.argtypes = ([ctypes.c_int64] * 10 + [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_float]
+                                       + [ctypes.c_void_p] * 6)
     lib.dsv41_fp4_rows.restype = None
     lib.dsv41_fp4_rows.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3
     return lib
@@ -790,3 +798,78 @@ def qdq(x: torch.Tensor, point: str) -> torch.Tensor | None:
     lib.dsv41_fp4_qdq_e8m0(x.numel() // K, K, bf16, x.data_ptr(), formats.FP4_E8M0_AMAX_FLOOR,
                            formats.INV_FP4_MAX_F32, out.data_ptr())
     return out
+
+
+def row_addresses(rows: torch.Tensor, slots: list[int], positions: list[int]) -> torch.Tensor:
+    """int64 [n]: the address of rows[slots[i], positions[i]] (a [slots, length, width] cache tensor whose
+    rows are contiguous), for the kernels below, which read or write rows of several slots."""
+    step, at = rows.element_size(), rows.data_ptr()
+    return torch.tensor([at + (s * rows.stride(0) + p * rows.stride(1)) * step for s, p in zip(slots, positions)],
+                        dtype=torch.int64)
+
+
+def publish(x: torch.Tensor | None, wkv: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
+            latent: torch.Tensor | None, wk: torch.Tensor, k_norm: torch.Tensor, k_eps: float, phases: torch.Tensor,
+            kv_rows: torch.Tensor, key_rows: torch.Tensor) -> bool:
+    """A kv source's new compressed rows in one call (compressed.c `dsv41_publish`): from the latents
+    [G, Dh] pre-RoPE, or for r = 1 from the tokens x [G, D] (latent = RMSNorm(x · wkvᵀ, norm, eps)), the
+    row RoPE(latent) written at kv_rows and the index key RoPE(RMSNorm(latent · wkᵀ, k_norm, k_eps)) at
+    key_rows (`row_addresses` of bf16 cache rows), the bits of the calls one by one; phases complex64
+    [G, R/2]. False where the kernel is not available or does not take the call (nothing written)."""
+    lib = _library()
+    source = latent if x is None else x
+    if lib is None or source.dtype != torch.bfloat16 or phases.dtype != torch.complex64 or not _bf16_rows(wk):
+        return False
+    if x is not None and not (_bf16_rows(wkv) and norm.dtype in _GEMV_DTYPES):
+        return False
+    (Di, Dh), G = wk.shape, kv_rows.numel()
+    D = 0 if x is None else wkv.shape[1]
+    R = 2 * phases.shape[-1]
+    if (x is not None and (x.shape[-1], wkv.shape[0], norm.numel()) != (D, Dh, Dh)) or source.numel() != G * (D or Dh):
+        return False
+    if k_norm.dtype not in _GEMV_DTYPES or k_norm.numel() != Di or phases.numel() * 2 != G * R or R > min(Dh, Di):
+        return False
+    if phases.is_conj() or not phases.is_contiguous() or key_rows.numel() != G:
+        return False
+    source, k_norm = source.contiguous(), k_norm.contiguous()
+    norm_ptr, norm_bf16 = (None, 0) if x is None else (norm.contiguous().data_ptr(), norm.dtype == torch.bfloat16)
+    bf16 = torch.bfloat16
+    return lib.dsv41_publish(G, D, Dh, Di, R, torch.get_num_threads(), None if x is None else source.data_ptr(),
+                             None if x is None else wkv.data_ptr(), norm_ptr, norm_bf16, eps,
+                             None if x is not None else source.data_ptr(), wk.data_ptr(), k_norm.data_ptr(),
+                             k_norm.dtype == bf16, k_eps, phases.data_ptr(), kv_rows.data_ptr(), key_rows.data_ptr()) == 0
+
+
+def index_select(x: torch.Tensor, qr: torch.Tensor, wq_b: torch.Tensor, weights_proj: torch.Tensor, scale: float,
+                 phases: torch.Tensor, key_rows: torch.Tensor, C: int, visible: torch.Tensor, topk: int,
+                 blocks: tuple[int, int] | None, restrict: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A decode step's choice of compressed positions in one call (compressed.c `dsv41_index_select`): x
+    [.., N, D] and qr [.., N, Qr] bf16 (one token per row), each token's index keys [C, Di] at key_rows
+    (`row_addresses`), visible [N] → (chosen [N, min(topk, C)] int64 ascending, −1 for none; with
+    `blocks` = (Nb, Bs) the candidate source's kept-block mask [N, C] bool, else None); restrict [.., N,
+    C] bool: a candidate user's mask. The bits of the indexer's calls one by one. None where the kernel
+    is not available or does not take the call."""
+    lib = _library()
+    if lib is None or not _bf16_rows(wq_b, weights_proj) or x.dtype != torch.bfloat16 or qr.dtype != torch.bfloat16:
+        return None
+    (HD, Qr), (Hi, D) = wq_b.shape, weights_proj.shape
+    N, R = x.numel() // D, 2 * phases.shape[-1]
+    if HD % Hi or qr.numel() != N * Qr or x.shape[-1] != D or key_rows.numel() != N or visible.numel() != N:
+        return None
+    Di = HD // Hi
+    if C < 1 or topk < 1 or phases.numel() * 2 != N * R or R > Di or phases.is_conj() or not phases.is_contiguous():
+        return None
+    if restrict is not None and (restrict.dtype != torch.bool or restrict.numel() != N * C):
+        return None
+    if blocks is not None and min(blocks) < 1:
+        return None
+    x, qr, visible = x.contiguous(), qr.contiguous(), visible.to(torch.int64).contiguous()
+    chosen = torch.empty(N, min(topk, C), dtype=torch.int64)
+    keep = None if blocks is None else torch.empty(N, C, dtype=torch.bool)
+    Nb, Bs = blocks or (0, 0)
+    status = lib.dsv41_index_select(N, D, Qr, Hi, Di, R, C, topk, Nb, Bs, torch.get_num_threads(), x.data_ptr(),
+                                    qr.data_ptr(), wq_b.data_ptr(), weights_proj.data_ptr(), scale, phases.data_ptr(),
+                                    key_rows.data_ptr(), visible.data_ptr(),
+                                    None if restrict is None else restrict.contiguous().data_ptr(),
+                                    None if keep is None else keep.data_ptr(), chosen.data_ptr())
+    return (chosen, keep) if status == 0 else None
