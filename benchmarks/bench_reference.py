@@ -141,16 +141,17 @@ def batch_speedup(model: Transformer, prefill: int, steps: int) -> tuple[float, 
     the batch-16 steps chose on average) for fast decode."""
     rates, chosen = [], []
 
-    def counting(routed):
+    def counting(call):
         def counted(*args, **kwargs):
-            y, ids = routed(*args, **kwargs)
-            chosen.append(ids.unique().numel())
-            return y, ids
+            result = call(*args, **kwargs)
+            if result is not None:
+                chosen.append(result[-1].unique().numel())
+            return result
         return counted
 
-    # the MoE's ids, whichever way it ran: a decode step's gate, router and experts are one native call
+    # the MoE's ids, whichever way it ran: its own call, or the block's feed-forward half in one (N35)
     for block in model.layers:
-        block.ffn.routed = counting(block.ffn.routed)
+        block.ffn.routed, block.ffn_half = counting(block.ffn.routed), counting(block.ffn_half)
     for batch in (1, BATCH):
         chosen.clear()
         ids = torch.randint(0, model.cfg.vocab_size, (batch, prefill + steps), generator=torch.Generator().manual_seed(4))
@@ -161,7 +162,7 @@ def batch_speedup(model: Transformer, prefill: int, steps: int) -> tuple[float, 
             times.append(timed(lambda p=p: model.logits(model(ids[:, p:p + 1], p, cache).hidden[:, -1])))
         rates.append((statistics.median(times), batch / statistics.median(times)))
     for block in model.layers:
-        del block.ffn.routed
+        del block.ffn.routed, block.ffn_half
     # the steps' share of the calls (the prefill's come first, one per layer)
     experts = statistics.mean(chosen[len(model.layers):])
     return rates[0][0] * 1e3, rates[1][1] / rates[0][1], experts

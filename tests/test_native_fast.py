@@ -602,15 +602,26 @@ def test_a_model_enters_each_sublayer_of_a_decode_step_in_one_call(monkeypatch):
     runtime = RuntimeConfig(max_seq_len=2 * MAX_SEQ, numerics="fast", dtype="bfloat16", kernels="blas")
     model = init_random_(Transformer(without_dspark(binding_config()), runtime), 0)
     ids = token_ids(1, 80, model.cfg.vocab_size)
-    calls = []
-    real = native.hc_enter
-    monkeypatch.setattr(native, "hc_enter", lambda *a: calls.append(a[0].shape[1]) or real(*a))
-    cache = model.new_cache(1, 2 * MAX_SEQ)
-    with torch.no_grad():
-        model(ids[:, :79], 0, cache)                                            # 79 rows: the layers' calls
-        assert calls == []
-        model(ids[:, 79:], 79, cache)
-    assert calls == [1] * (2 * model.cfg.n_layers)
+    calls = {name: [] for name in ("hc_enter", "attention_entry", "ffn_half")}
+    for name, real in [(name, getattr(native, name)) for name in calls]:
+        monkeypatch.setattr(native, name, lambda *a, name=name, real=real: calls[name].append(a[0].shape[1]) or real(*a))
+
+    def prefill_and_step() -> None:
+        cache = model.new_cache(1, 2 * MAX_SEQ)
+        with torch.no_grad():
+            model(ids[:, :79], 0, cache)                                        # 79 rows: the layers' calls
+            assert not any(calls.values())
+            model(ids[:, 79:], 79, cache)
+
+    prefill_and_step()
+    # the attention's entry inside the way into it, the FFN's inside the feed-forward half (N35)
+    assert calls == {"hc_enter": [], "attention_entry": [1] * model.cfg.n_layers, "ffn_half": [1] * model.cfg.n_layers}
+    for name in ("attention_entry", "ffn_half"):
+        monkeypatch.setattr(native, name, lambda *a: None)
+    for made in calls.values():
+        made.clear()
+    prefill_and_step()
+    assert calls["hc_enter"] == [1] * (2 * model.cfg.n_layers)                  # each sublayer's entry, one call
 
 
 @pytest.mark.parametrize("old, new", [
@@ -911,6 +922,7 @@ def test_a_decode_step_takes_the_fused_projections_with_the_bits_of_the_layer_ca
     runtime = RuntimeConfig(max_seq_len=2 * MAX_SEQ, max_batch_size=2, numerics="fast", dtype="bfloat16")
     model = init_random_(Transformer(without_dspark(binding_config()), runtime), 0)
     run = lambda: _two_rows_decoding(model)
+    monkeypatch.setattr(native, "attention_entry", lambda *a: None)     # the attention's own call, not the block's
     calls = []
     real_in, real_out = native.attention_in, native.attention_out
     monkeypatch.setattr(native, "attention_in", lambda *a: calls.append("in") or real_in(*a))
@@ -1005,6 +1017,7 @@ def test_a_decode_step_takes_the_fused_moe_with_the_bits_of_the_layer_calls(monk
         calls = []
         real = native.moe
         monkeypatch.setattr(native, "moe", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+        monkeypatch.setattr(native, "ffn_half", lambda *a: None)      # the MoE's own call, not the block's (N35)
         fused = run()
         assert calls == [2] * (10 * model.cfg.n_layers)                               # the decode steps only
         monkeypatch.setattr(native, "moe", lambda *a: None)
@@ -1023,3 +1036,152 @@ def test_a_mutated_moe_call_is_caught(old, new, tmp_path, monkeypatch):
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         test_a_decode_steps_moe_is_one_native_call_with_the_bits_of_three(4, False)
+
+
+# ------------------------------------------------------------------------------------------ the block's calls
+
+def _ffn_half_case(g: torch.Generator, n: int, stored: bool):
+    from dsv41.model import hyper
+    S, iters = 4, 20
+    x, gate, bias, A, banks, shared, scales, values = _moe_case(g, n, stored)
+    D = x.shape[1]
+    streams = (torch.randn(1, n, S, D, generator=g) * 2).bfloat16()
+    fn = torch.randn((2 + S) * S, S * D, generator=g) / math.sqrt(S * D)
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + S) * S, generator=g) * 0.1
+    pre, post, comb = hyper.mixes(streams, fn.flip(0), scale, base, iters=iters, norm_eps=1e-6, hc_eps=1e-6,
+                                  numerics=FAST_NATIVE)
+    out = (torch.randn(1, n, D, generator=g) * 2).bfloat16()
+    norm = ((torch.rand(D, generator=g) + 0.5).bfloat16(), 1e-6)
+    moe = (gate, bias, A, 1.5, 1e-20, 6.0, banks, shared, scales)
+    return streams, pre, out, post, comb, (fn, scale, base, iters, 1e-6, 1e-6), norm, moe
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["held", "stored"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_blocks_feed_forward_half_is_one_native_call_with_the_bits_of_three(n, stored):
+    """sublayers.c `dsv41_ffn_half`: the FFN's entry (the attention's output expanded into the streams,
+    the FFN's mixes, the normed collapse), the MoE and the expansion of its output, bit-equal to
+    `hc_enter`, `moe` and `hc_expand` one by one; and the expansion is the formula written out here in
+    float64 from those calls' own mixes and MoE output."""
+    g = torch.Generator().manual_seed(50 + n)
+    streams, pre, out, post, comb, mixes, norm, moe = _ffn_half_case(g, n, stored)
+    got_streams, got_pre, got_ids = FAST_NATIVE.ffn_half(streams, pre, out, post, comb, mixes, norm, moe)
+    entered, (pre_ffn, post_ffn, comb_ffn), h = FAST_NATIVE.hc_enter(streams, pre, *mixes, *norm, out, post, comb)
+    y, ids = FAST_NATIVE.moe(h[0], *moe)
+    want = FAST_NATIVE.hc_expand(y[None], entered, post_ffn, comb_ffn)
+    assert torch.equal(got_streams, want) and torch.equal(got_pre, pre_ffn) and torch.equal(got_ids, ids)
+    mixed = post_ffn.double()[..., None] * y.double()[None, :, None] + torch.einsum(
+        "bnij,bnid->bnjd", comb_ffn.double(), entered.double())
+    assert (got_streams.double() - mixed).abs().max() <= 2.0 ** -7 * mixed.abs().max()
+
+
+def test_the_policy_fuses_the_feed_forward_half_of_decode_rows_only():
+    g = torch.Generator().manual_seed(52)
+    streams, pre, out, post, comb, mixes, norm, moe = _ffn_half_case(g, 2, False)
+    call = lambda policy, streams=streams, out=out, moe=moe: policy.ffn_half(streams, pre, out, post, comb, mixes,
+                                                                           norm, moe)
+    assert call(FAST_NATIVE) is not None
+    assert call(FAST) is None
+    assert call(FAST_NATIVE, streams.float(), out.float()) is None                  # fp32 rows
+    many = NATIVE_WIDE_ROWS + 1
+    assert FAST_NATIVE.ffn_half(streams[:, :1].expand(1, many, -1, -1), pre[:, :1].expand(1, many, -1), out[:, :1].expand(1, many, -1),
+                                post[:, :1].expand(1, many, -1), comb[:, :1].expand(1, many, -1, -1), mixes, norm, moe) is None
+    held_fp32 = moe[:6] + (tuple(b.float() for b in moe[6]),) + moe[7:]
+    assert call(FAST_NATIVE, moe=held_fp32) is None                                  # banks of another dtype
+
+
+def test_a_decode_step_takes_the_feed_forward_half_with_the_bits_of_the_layer_calls(monkeypatch):
+    from helpers import MAX_SEQ, binding_config, without_dspark
+    for stored in (False, True):
+        runtime = RuntimeConfig(max_seq_len=2 * MAX_SEQ, max_batch_size=2, numerics="fast", stored_experts=stored)
+        model = init_random_(Transformer(without_dspark(binding_config()), runtime), 0)
+        calls = []
+        real = native.ffn_half
+        monkeypatch.setattr(native, "ffn_half", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+        fused = _two_rows_decoding(model)
+        assert calls == [2] * (10 * model.cfg.n_layers)                               # the decode steps only
+        monkeypatch.setattr(native, "ffn_half", lambda *a: None)
+        assert all(torch.equal(a, b) for a, b in zip(fused, _two_rows_decoding(model)))
+
+
+@pytest.mark.parametrize("old, new", [
+    ("dsv41_hc_expand(N, S, D, 1, y, entered, post_ffn, comb_ffn, streams_out);",
+     "dsv41_hc_expand(N, S, D, 1, y, entered, post, comb, streams_out);"),           # the attention's mixes
+    ("dsv41_hc_expand(N, S, D, 1, y, entered, post_ffn, comb_ffn, streams_out);",
+     "dsv41_hc_expand(N, S, D, 1, y, residual, post_ffn, comb_ffn, streams_out);"),  # the streams before
+    ("status = dsv41_moe(N, D, E, A, I, threads, h,", "status = dsv41_moe(N, D, E, A, I, threads, o,"),
+])
+def test_a_mutated_feed_forward_half_is_caught(old, new, tmp_path, monkeypatch):
+    lib = mutated_library("sublayers.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_a_blocks_feed_forward_half_is_one_native_call_with_the_bits_of_three(3, False)
+
+
+def _entry_case(g: torch.Generator, n: int):
+    from dsv41.model import hyper
+    from dsv41.model.rope import Rotary, yarn_frequencies
+    S, D, Qr, H, Dh, R, iters = 4, 96, 64, 4, 32, 16, 20
+    w = _projection_weights(g, D, Qr, H, Dh, 2, 24, torch.float32)
+    streams = (torch.randn(1, n, S, D, generator=g) * 2).bfloat16()
+    fn = torch.randn((2 + S) * S, S * D, generator=g) / math.sqrt(S * D)
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + S) * S, generator=g) * 0.1
+    pre = hyper.mixes(streams, fn.flip(0), scale, base, iters=iters, norm_eps=1e-6, hc_eps=1e-6, numerics=FAST_NATIVE)[0]
+    norm = ((torch.rand(D, generator=g) + 0.5).bfloat16(), 1e-6)
+    phases = Rotary(R, yarn_frequencies(R, 10000.0, 0, 1.0, 0.0, 0.0)).phases(torch.arange(50, 50 + n))
+    projections = (w["wq_a"], w["q_norm"], 1e-6, w["wq_b"], w["wkv"], w["kv_norm"], 1e-5, phases, H)
+    return streams, pre, (fn, scale, base, iters, 1e-6, 1e-6), norm, projections
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_blocks_way_into_its_attention_is_one_native_call_with_the_bits_of_two(n):
+    """sublayers.c `dsv41_attention_entry`: the attention's entry (its mixes and normed input) and the
+    query and key paths of that input, bit-equal to `hc_enter` and `attention_in` one by one (each of
+    which has its own float64 check above)."""
+    g = torch.Generator().manual_seed(60 + n)
+    streams, pre, mixes, norm, projections = _entry_case(g, n)
+    (got_pre, got_post, got_comb), got_h, (qr, q, kv) = FAST_NATIVE.attention_entry(streams, pre, mixes, norm, projections)
+    same, want_mixes, h = FAST_NATIVE.hc_enter(streams, pre, *mixes, *norm)
+    wq_a, q_norm, q_eps, wq_b, wkv, kv_norm, kv_eps, phases, heads = projections
+    want = FAST_NATIVE.attention_in(h, wq_a, (q_norm, q_eps), wq_b, wkv, (kv_norm, kv_eps), phases, heads)
+    assert same is streams and torch.equal(got_h, h)
+    assert all(torch.equal(a, b) for a, b in zip((got_pre, got_post, got_comb), want_mixes))
+    assert all(torch.equal(a, b) for a, b in zip((qr, q, kv), want))
+
+
+def test_the_policy_enters_the_attention_in_one_call_for_decode_rows_only():
+    g = torch.Generator().manual_seed(62)
+    streams, pre, mixes, norm, projections = _entry_case(g, 2)
+    assert FAST_NATIVE.attention_entry(streams, pre, mixes, norm, projections) is not None
+    assert FAST.attention_entry(streams, pre, mixes, norm, projections) is None
+    assert FAST_NATIVE.attention_entry(streams.float(), pre, mixes, norm, projections) is None
+    many = NATIVE_WIDE_ROWS + 1
+    assert FAST_NATIVE.attention_entry(streams[:, :1].expand(1, many, -1, -1), pre[:, :1].expand(1, many, -1), mixes,
+                                       norm, projections) is None
+    as_fp32 = (projections[0].float(),) + projections[1:]
+    assert FAST_NATIVE.attention_entry(streams, pre, mixes, norm, as_fp32) is None
+
+
+def test_a_decode_step_enters_each_attention_in_one_call_with_the_bits_of_the_layer_calls(monkeypatch):
+    from helpers import MAX_SEQ, binding_config, without_dspark
+    runtime = RuntimeConfig(max_seq_len=2 * MAX_SEQ, max_batch_size=2, numerics="fast")
+    model = init_random_(Transformer(without_dspark(binding_config()), runtime), 0)
+    calls = []
+    real = native.attention_entry
+    monkeypatch.setattr(native, "attention_entry", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    fused = _two_rows_decoding(model)
+    assert calls == [2] * (10 * model.cfg.n_layers)                                   # the decode steps only
+    monkeypatch.setattr(native, "attention_entry", lambda *a: None)
+    assert all(torch.equal(a, b) for a, b in zip(fused, _two_rows_decoding(model)))
+
+
+@pytest.mark.parametrize("old, new", [
+    ("status = dsv41_attention_in(N, D, Qr, H, Dh, R, threads, h,", "status = dsv41_attention_in(N, D, Qr, H, Dh, R, threads, streams,"),
+    ("mix_threads, pre, norm_weight, norm_bf16, eps, pre_out, post_out, comb_out, h);",
+     "mix_threads, pre_out, norm_weight, norm_bf16, eps, pre_out, post_out, comb_out, h);"),   # trap 1 broken
+])
+def test_a_mutated_attention_entry_is_caught(old, new, tmp_path, monkeypatch):
+    lib = mutated_library("sublayers.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_a_blocks_way_into_its_attention_is_one_native_call_with_the_bits_of_two(3)

@@ -176,13 +176,21 @@ class Attention(nn.Module):
                         if role.is_index_source else None)
 
     # -------------------------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor, step: Step, handoff: Handoff, cache: ModelCache) -> torch.Tensor:
-        """x [1, N, D] (the call's packed tokens after attn_norm) → [1, N, D]."""
+    def projections(self, step: Step, handoff: Handoff) -> tuple:
+        """What `Numerics.attention_in` takes after the rows: (wq_a, q_norm's weight and eps, wq_b, wkv,
+        kv_norm's weight and eps, the step's RoPE phases, the heads)."""
+        return (self.wq_a.weight, self.q_norm.weight, self.q_norm.eps, self.wq_b.weight, self.wkv.weight,
+                self.kv_norm.weight, self.kv_norm.eps, handoff.step_phases(self.rotary, step), self.n_heads)
+
+    def forward(self, x: torch.Tensor, step: Step, handoff: Handoff, cache: ModelCache,
+                entered: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [1, N, D] (the call's packed tokens after attn_norm) → [1, N, D]. `entered`: the query and key
+        paths' (qr, q, kv) of x, when the block computed them with its entry (`Numerics.attention_entry`)."""
         pos, layer = step.positions, self.role.layer_id
         phases = handoff.step_phases(self.rotary, step)
-        entered = self.numerics.attention_in(x, self.wq_a.weight, (self.q_norm.weight, self.q_norm.eps),
-                                             self.wq_b.weight, self.wkv.weight, (self.kv_norm.weight, self.kv_norm.eps),
-                                             phases, self.n_heads)
+        if entered is None:
+            wq_a, q_norm, q_eps, wq_b, wkv, kv_norm, kv_eps, phases, heads = self.projections(step, handoff)
+            entered = self.numerics.attention_in(x, wq_a, (q_norm, q_eps), wq_b, wkv, (kv_norm, kv_eps), phases, heads)
         if entered is not None:
             qr, q, kv = entered
         else:

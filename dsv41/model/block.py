@@ -59,14 +59,46 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, pre: torch.Tensor, step: Step, handoff: Handoff, cache: ModelCache,
                 image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [1, N, S, D], pre [1, N, S] (from the previous sublayer, trap 1) → (x, pre for the next)."""
-        return self.run(x, pre, lambda h: self.attn(h, step, handoff, cache), lambda h: self.ffn(h, image_mask))
+        attend = lambda h, entered=None: self.attn(h, step, handoff, cache, entered)
+        projections = None if image_mask is not None else (lambda: self.attn.projections(step, handoff))
+        return self.run(x, pre, attend, lambda h: self.ffn(h, image_mask), projections=projections)
 
-    def run(self, x: torch.Tensor, pre: torch.Tensor, attend, feed_forward) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, x: torch.Tensor, pre: torch.Tensor, attend, feed_forward, *,
+            projections=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The block around its two sublayers, given as functions of their normed input: the cached
-        inference forward passes its attention over the cache, training (dsv41/training) a cache-free one."""
-        x, (pre_attn, post, comb), h = self._enter(x, pre, "attn")
-        x, (pre_ffn, post, comb), h = self._enter(x, pre_attn, "ffn", attend(h), post, comb)
+        inference forward passes its attention over the cache, training (dsv41/training) a cache-free one.
+        `projections` (the cached forward's, without images): the attention's `Attention.projections`, and
+        feed_forward is this block's MoE; then a decode step may make the block's way into the attention
+        and its feed-forward half one native call each (`Numerics.attention_entry`, `.ffn_half`; N35),
+        and `attend` takes the query and key paths computed on the way in."""
+        entry = None if projections is None else self.attention_entry(x, pre, projections())
+        if entry is None:
+            x, (pre_attn, post, comb), h = self._enter(x, pre, "attn")
+            out = attend(h)
+        else:
+            (pre_attn, post, comb), h, entered = entry
+            out = attend(h, entered)
+        if projections is not None:
+            half = self.ffn_half(x, pre_attn, out, post, comb)
+            if half is not None:
+                return half[:2]
+        x, (pre_ffn, post, comb), h = self._enter(x, pre_attn, "ffn", out, post, comb)
         return hyper.expand(feed_forward(h), x, post, comb, self.numerics), pre_ffn
+
+    def attention_entry(self, x, pre, projections: tuple):
+        """((pre, post, comb) of the attention's mixes, its normed input h, the query and key paths (qr, q,
+        kv)) in one native call, or None where the policy declines."""
+        mixes = (self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.hc_iters, self.norm_eps, self.hc_eps)
+        return self.numerics.attention_entry(x, pre, mixes, (self.attn_norm.weight, self.attn_norm.eps), projections)
+
+    def ffn_half(self, x, pre, out, post, comb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(streams, the FFN's pre, the MoE's chosen ids) of the feed-forward half in one native call, or
+        None where the policy or the MoE declines (then the block makes its calls one by one)."""
+        parts = self.ffn.fused_parts()
+        if parts is None:
+            return None
+        mixes = (self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters, self.norm_eps, self.hc_eps)
+        return self.numerics.ffn_half(x, pre, out, post, comb, mixes, (self.ffn_norm.weight, self.ffn_norm.eps), parts)
 
     def _enter(self, x: torch.Tensor, pre: torch.Tensor, sub: str, out: torch.Tensor | None = None,
                post: torch.Tensor | None = None, comb: torch.Tensor | None = None):

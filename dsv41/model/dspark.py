@@ -127,6 +127,12 @@ class DSparkStage(Block):
                                           device=device, parallel=parallel)
             self.confidence_head = ConfidenceHead(cfg.dim + cfg.dspark_markov_rank, numerics=numerics, device=device)
 
+    def forward(self, x: torch.Tensor, pre: torch.Tensor, step: DraftStep, handoff: Handoff, cache: ModelCache,
+                image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft rows x [B, Bs, S, D]: the block's calls one by one (a draft's rows are not a decode step's
+        packed tokens, which the block's fused calls take)."""
+        return self.run(x, pre, lambda h: self.attn(h, step, handoff, cache), lambda h: self.ffn(h, image_mask))
+
 
 @dataclass
 class Draft:

@@ -356,14 +356,22 @@ class MoE(nn.Module):
         """`routed` of a decode step's tokens as one native call of the policy's (the gate, the router, the
         routed and shared experts; the same bits), where every expert is this rank's, the gate runs at
         temperature 1 and the shared expert is held like the banks' dtype; else None."""
+        parts = self.fused_parts()
+        return None if parts is None else self.numerics.moe(flat, *parts)
+
+    def fused_parts(self) -> tuple | None:
+        """What a decode step's one native call takes after its tokens (the gate and its bias, top-k, route
+        scale and eps, the SwiGLU limit, the banks, the shared expert, the banks' scales when stored),
+        or None where this layer keeps its own calls: expert parallelism, a gate temperature, a quantised
+        shared expert or one with another SwiGLU limit."""
         experts, shared = self.experts, self.shared_experts
         if experts.partial or self.experts_parallel or self.gate_temp != 1.0 or shared.w1.quantized \
                 or shared.swiglu_limit != experts.swiglu_limit:
             return None
         scales = (experts.w1.scale, experts.w3.scale, experts.w2.scale) if experts.stored else None
-        return self.numerics.moe(flat, self.gate.weight, self.gate.bias, self.topk, self.route_scale, ROUTE_NORM_EPS,
-                                 experts.swiglu_limit, (experts.w1.weight, experts.w3.weight, experts.w2.weight),
-                                 (shared.w1.weight, shared.w3.weight, shared.w2.weight), scales)
+        return (self.gate.weight, self.gate.bias, self.topk, self.route_scale, ROUTE_NORM_EPS, experts.swiglu_limit,
+                (experts.w1.weight, experts.w3.weight, experts.w2.weight),
+                (shared.w1.weight, shared.w3.weight, shared.w2.weight), scales)
 
 
 class Router(nn.Module):

@@ -624,9 +624,8 @@ class Numerics:
         weights = (indexer[0], indexer[1], *(compressor[:2] if compressor else ()))
         if not self._native_projections(source[None], *weights) or not _cache_rows(kv, index_keys, slots, rows):
             return False
-        kv_rows, key_rows = native.row_addresses(kv, slots, rows), native.row_addresses(index_keys, slots, rows)
         wkv, norm, eps = compressor or (None, None, 0.0)
-        return native.publish(tokens, wkv, norm, eps, latent, *indexer, phases, kv_rows, key_rows)
+        return native.publish(tokens, wkv, norm, eps, latent, *indexer, phases, kv, index_keys, slots, rows)
 
     def index_select(self, x: torch.Tensor, qr: torch.Tensor, indexer: tuple[torch.Tensor, torch.Tensor, float],
                      phases: torch.Tensor, keys: list[tuple[torch.Tensor, int]], C: int, visible: torch.Tensor,
@@ -640,8 +639,7 @@ class Numerics:
             return None
         if any(t.dtype != torch.bfloat16 or t.shape[1] < C or t.stride(2) != 1 or not 0 <= s < t.shape[0] for t, s in keys):
             return None
-        key_rows = torch.tensor([t.data_ptr() + s * t.stride(0) * t.element_size() for t, s in keys], dtype=torch.int64)
-        return native.index_select(x, qr, *indexer, phases, key_rows, C, visible, topk, blocks, restrict)
+        return native.index_select(x, qr, *indexer, phases, keys, C, visible, topk, blocks, restrict)
 
     def moe(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float, eps: float,
             limit: float, banks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -651,14 +649,50 @@ class Numerics:
         widened logits, the router, the routed experts and the shared one, → (output [n, D] bf16, ids
         [n, topk]), the bits of `widened_linear`, `route` and `routed_experts` one by one. None where the
         policy would leave any of them to torch (then the layer makes them one by one)."""
-        if not (self.native and not self.quantized and x.is_cpu and x.dtype == torch.bfloat16):
-            return None
-        rows = x.shape[0]
-        if rows * topk > NATIVE_EXPERT_PAIRS or rows > self._fast_product_rows(False) or not self._shared_rows(x, shared[0]):
-            return None
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, gate, *banks)):
+        if not self._native_moe(x, gate, topk, banks, shared):
             return None
         return native.moe(x, gate, bias, topk, route_scale, eps, limit, banks, shared, scales)
+
+    def _native_moe(self, x: torch.Tensor, gate: torch.Tensor, topk: int, banks: tuple[torch.Tensor, ...],
+                    shared: tuple[torch.Tensor, ...]) -> bool:
+        """Whether `moe` may take x [..., D]: where the policy takes the gate, the router and the experts natively."""
+        if not (self.native and not self.quantized and x.is_cpu and x.dtype == torch.bfloat16):
+            return False
+        rows = x.shape[:-1].numel()
+        if rows * topk > NATIVE_EXPERT_PAIRS or rows > self._fast_product_rows(False) or not self._shared_rows(x, shared[0]):
+            return False
+        return not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, gate, *banks)))
+
+    def attention_entry(self, x: torch.Tensor, pre: torch.Tensor, mixes: tuple, norm: tuple[torch.Tensor, float],
+                        projections: tuple):
+        """block.py's way into a decode step's attention in one native call (N35): the attention's entry
+        (`hc_enter` of the streams x [1, N, S, D] without a previous output) and its query and key paths
+        (`attention_in`'s arguments after its rows: `Attention.projections`) → ((pre, post, comb), h
+        [1, N, D], (qr, q, kv)), the bits of the two calls. None where the policy would leave either to
+        its own calls."""
+        if self.invariant or x.dim() != 4 or x.shape[0] != 1 or not self._native_mix(x, pre, *mixes[:3]):
+            return None
+        if x.shape[1] > min(NATIVE_POSITIONS, self._fast_product_rows(True)) or x.dtype != torch.bfloat16:
+            return None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (norm[0], *projections[:2], *projections[3:6])):
+            return None
+        return native.attention_entry(x, pre, mixes, norm, projections)
+
+    def ffn_half(self, x: torch.Tensor, pre: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 mixes: tuple, norm: tuple[torch.Tensor, float], moe: tuple):
+        """block.py's feed-forward half of a decode step in one native call (N35): the FFN's entry (`hc_enter`
+        of the streams x [1, N, S, D] with the attention's output out [1, N, D]), its MoE (`moe`'s
+        arguments after x: `MoE.fused_parts`) and the expansion of its output → (streams, the FFN's pre
+        [1, N, S], the chosen ids [N, k]), the bits of the three calls. None where the policy would leave
+        any of them to their own calls. mixes: (fn, scale, base, iters, norm eps, hc eps); norm: (weight, eps)."""
+        if self.invariant or x.dim() != 4 or x.shape[0] != 1 or not self._native_mix(x, pre, *mixes[:3], out, post, comb):
+            return None
+        if x.shape[1] > NATIVE_POSITIONS or torch.is_grad_enabled() and norm[0].requires_grad:
+            return None
+        gate, _, topk, _, _, _, banks, shared, _ = moe
+        if not self._native_moe(out, gate, topk, banks, shared):
+            return None
+        return native.ffn_half(x, pre, out, post, comb, mixes, norm, *moe)
 
     def rope(self, x: torch.Tensor, phases: torch.Tensor, inverse: bool = False) -> torch.Tensor | None:
         """rope.py `Rotary.rotate` of at most `NATIVE_POSITIONS` positions in one native call, with its

@@ -188,6 +188,17 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_moe.restype = ctypes.c_int
     lib.dsv41_moe.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_float] * 3
                               + [ctypes.c_void_p] * 12)
+    lib.dsv41_attention_entry.restype = ctypes.c_int
+    lib.dsv41_attention_entry.argtypes = ([ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_float] * 2
+                                          + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_float]
+                                          + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+                                          + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_float] + [ctypes.c_void_p] * 3
+                                          + [ctypes.c_int, ctypes.c_float] + [ctypes.c_void_p] * 4)
+    lib.dsv41_ffn_half.restype = ctypes.c_int
+    lib.dsv41_ffn_half.argtypes = ([ctypes.c_int64] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_float] * 2
+                                   + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_float]
+                                   + [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 3
+                                   + [ctypes.c_void_p] * 13)
     lib.dsv41_publish.restype = ctypes.c_int
     lib.dsv41_publish.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float]
                                   + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float] + [ctypes.c_void_p] * 3)
@@ -643,6 +654,19 @@ def hc_expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, com
     return streams
 
 
+def _entry(x, pre, fn, scale, base, norm_weight, out, post, comb) -> tuple | None:
+    """`hc_enter`'s inputs as its kernel takes them (contiguous; the mixes fp32), or None where it does not."""
+    if x.dtype not in _GEMV_DTYPES or fn.dtype != torch.float32 or norm_weight.dtype not in _GEMV_DTYPES:
+        return None
+    if x.shape[-1] > 1 << 16 or (out is not None and out.dtype != x.dtype):
+        return None
+    x, fn, pre = x.contiguous(), fn.contiguous(), pre.float().contiguous()
+    scale, base, norm_weight = scale.float().contiguous(), base.float().contiguous(), norm_weight.contiguous()
+    if out is not None:
+        out, post, comb = out.contiguous(), post.float().contiguous(), comb.float().contiguous()
+    return x, pre, fn, scale, base, norm_weight, out, post, comb
+
+
 def hc_enter(x: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              iters: int, norm_eps: float, hc_eps: float, norm_weight: torch.Tensor, eps: float,
              out: torch.Tensor | None = None, post: torch.Tensor | None = None, comb: torch.Tensor | None = None):
@@ -651,16 +675,15 @@ def hc_enter(x: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.
     `rms_norm(hc_collapse(streams, pre), norm_weight, eps)`, with those functions' bits → (streams
     [..., S, D], (pre, post, comb) of this sublayer, h [..., D]). None where a part would decline."""
     lib = _library()
-    if lib is None or x.dtype not in _GEMV_DTYPES or fn.dtype != torch.float32 or norm_weight.dtype not in _GEMV_DTYPES:
+    if lib is None:
         return None
+    entry = _entry(x, pre, fn, scale, base, norm_weight, out, post, comb)
+    if entry is None:
+        return None
+    x, pre, fn, scale, base, norm_weight, out, post, comb = entry
     lead, (S, D) = x.shape[:-2], x.shape[-2:]
-    if D > 1 << 16 or (out is not None and out.dtype != x.dtype):
-        return None
-    x, fn, pre = x.contiguous(), fn.contiguous(), pre.float().contiguous()
-    scale, base, norm_weight = scale.float().contiguous(), base.float().contiguous(), norm_weight.contiguous()
     streams, o_ptr, post_ptr, comb_ptr = x, None, None, None
     if out is not None:
-        out, post, comb = out.contiguous(), post.float().contiguous(), comb.float().contiguous()
         streams = torch.empty_like(x)
         o_ptr, post_ptr, comb_ptr = out.data_ptr(), post.data_ptr(), comb.data_ptr()
     pre_next, post_next, comb_next = torch.empty(*lead, S), torch.empty(*lead, S), torch.empty(*lead, S, S)
@@ -705,25 +728,74 @@ def attention_in(x: torch.Tensor, wq_a: torch.Tensor, q_norm: torch.Tensor, q_ep
     wkvᵀ)) [1, N, Dh]), the bits of `linear`, `rms_norm` and `rope` one by one. Weights bf16, norms bf16
     or fp32, phases complex64 [N, R/2]. None where the kernel is not available or does not take the call."""
     lib = _library()
-    if lib is None or not _bf16_rows(wq_a, wq_b, wkv) or x.dtype != torch.bfloat16 or phases.dtype != torch.complex64:
+    if lib is None:
         return None
-    (Qr, D), (HD, Dh) = wq_a.shape, (wq_b.shape[0], wkv.shape[0])
-    N, R = x.numel() // D, 2 * phases.shape[-1]
-    if (x.shape[-1], wq_b.shape[1], wkv.shape[1], HD, q_norm.numel(), kv_norm.numel()) != (D, Qr, D, heads * Dh, Qr, Dh):
+    paths = _paths(x.shape[:-1], x.shape[-1], x.dtype, wq_a, q_norm, q_eps, wq_b, wkv, kv_norm, kv_eps, phases, heads)
+    if paths is None:
+        return None
+    sizes, weights, outputs = paths
+    x = x.contiguous()
+    status = lib.dsv41_attention_in(x.numel() // x.shape[-1], x.shape[-1], *sizes, torch.get_num_threads(), x.data_ptr(),
+                                    *_pointers(weights), *(t.data_ptr() for t in outputs))
+    return outputs if status == 0 else None
+
+
+def _paths(lead: torch.Size, D: int, dtype: torch.dtype, wq_a, q_norm, q_eps, wq_b, wkv, kv_norm, kv_eps, phases,
+           heads) -> tuple[list, list, tuple] | None:
+    """`attention_in`'s checks for rows [*lead, D] → (its sizes Qr, H, Dh, R; its weights' arguments; the
+    outputs qr, q, kv it writes), or None where the kernel does not take them."""
+    if not _bf16_rows(wq_a, wq_b, wkv) or dtype != torch.bfloat16 or phases.dtype != torch.complex64:
+        return None
+    (Qr, D_in), (HD, Dh) = wq_a.shape, (wq_b.shape[0], wkv.shape[0])
+    N, R = lead.numel(), 2 * phases.shape[-1]
+    if (D, wq_b.shape[1], wkv.shape[1], HD, q_norm.numel(), kv_norm.numel()) != (D_in, Qr, D_in, heads * Dh, Qr, Dh):
         return None
     if phases.numel() * 2 != N * R or R > Dh or phases.is_conj() or not phases.is_contiguous():
         return None
     if q_norm.dtype not in _GEMV_DTYPES or kv_norm.dtype not in _GEMV_DTYPES:
         return None
-    x, q_norm, kv_norm = x.contiguous(), q_norm.contiguous(), kv_norm.contiguous()
-    lead = x.shape[:-1]
-    qr, q, kv = x.new_empty(*lead, Qr), x.new_empty(*lead, heads, Dh), x.new_empty(*lead, Dh)
     bf16 = torch.bfloat16
-    status = lib.dsv41_attention_in(N, D, Qr, heads, Dh, R, torch.get_num_threads(), x.data_ptr(), wq_a.data_ptr(),
-                                    q_norm.data_ptr(), q_norm.dtype == bf16, q_eps, wq_b.data_ptr(), wkv.data_ptr(),
-                                    kv_norm.data_ptr(), kv_norm.dtype == bf16, kv_eps, phases.data_ptr(),
-                                    qr.data_ptr(), q.data_ptr(), kv.data_ptr())
-    return (qr, q, kv) if status == 0 else None
+    outputs = (torch.empty(*lead, Qr, dtype=bf16), torch.empty(*lead, heads, Dh, dtype=bf16), torch.empty(*lead, Dh, dtype=bf16))
+    weights = [wq_a, q_norm.contiguous(), q_norm.dtype == bf16, q_eps, wq_b, wkv, kv_norm.contiguous(), kv_norm.dtype == bf16,
+               kv_eps, phases]
+    return [Qr, heads, Dh, R], weights, outputs
+
+
+def _pointers(args: list) -> list:
+    """Arguments for a kernel: each tensor's address (the list keeps the tensors alive through the call)."""
+    return [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def attention_entry(x: torch.Tensor, pre: torch.Tensor, mixes: tuple, norm: tuple[torch.Tensor, float],
+                    projections: tuple) -> tuple | None:
+    """A block's way into its attention for decode rows in one call (sublayers.c `dsv41_attention_entry`):
+    the streams x [..., S, D] bf16 with pre [..., S] (trap 1), the attention's mixes `mixes` = (fn, scale,
+    base, iters, norm eps, hc eps) and `norm` (attn_norm's weight, eps), then `attention_in`'s arguments
+    after its rows (`projections`) → ((pre, post, comb) of the attention's mixes, h [..., D], (qr, q, kv)
+    [..., …]): the bits of `hc_enter` and `attention_in` one by one. None where a part would decline."""
+    lib = _library()
+    if lib is None:
+        return None
+    fn, scale, base, iters, norm_eps, hc_eps = mixes
+    entry = _entry(x, pre, fn, scale, base, norm[0], None, None, None)
+    if entry is None or x.dtype != torch.bfloat16:
+        return None
+    x, pre, fn, scale, base, norm_weight, _, _, _ = entry
+    lead, (S, D) = x.shape[:-2], x.shape[-2:]
+    paths = _paths(lead, D, x.dtype, *projections)
+    if paths is None:
+        return None
+    sizes, weights, outputs = paths
+    n = lead.numel()
+    mixed = (torch.empty(*lead, S), torch.empty(*lead, S), torch.empty(*lead, S, S))
+    h = x.new_empty(*lead, D)
+    threads = torch.get_num_threads()
+    status = lib.dsv41_attention_entry(n, S, D, x.data_ptr(), fn.data_ptr(), scale.data_ptr(), base.data_ptr(), iters,
+                                       norm_eps, hc_eps, threads if n * fn.numel() >= GEMV_THREAD_FROM else 1,
+                                       pre.data_ptr(), norm_weight.data_ptr(), norm_weight.dtype == torch.bfloat16,
+                                       norm[1], *(t.data_ptr() for t in mixed), h.data_ptr(), *sizes, threads,
+                                       *_pointers(weights), *(t.data_ptr() for t in outputs))
+    return (mixed, h, outputs) if status == 0 else None
 
 
 def attention_out(o: torch.Tensor, phases: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor) -> torch.Tensor | None:
@@ -757,12 +829,27 @@ def moe(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, k: int, scale: 
     fp32; banks w1, w3 [E, I, D], w2 [E, D, I] bf16, or (with `scales`) fp4 bytes; shared w1, w3 [I, D],
     w2 [D, I] bf16. None where the kernel is not available or does not take the call."""
     lib = _library()
+    if lib is None:
+        return None
+    experts = _experts(x.shape[-1], gate, bias, k, banks, shared, scales)
+    if experts is None or not _bf16_rows(x) or x.dim() != 2:
+        return None
+    (n, D), (E, I) = x.shape, banks[0].shape[:2]
+    ids, weights, y = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k), x.new_empty(n, D)
+    status = lib.dsv41_moe(n, D, E, k, I, torch.get_num_threads(), x.data_ptr(), gate.data_ptr(), bias.data_ptr(),
+                           scale, eps, limit, *experts, ids.data_ptr(), weights.data_ptr(), y.data_ptr())
+    return (y, ids) if status == 0 else None
+
+
+def _experts(D: int, gate, bias, k, banks, shared, scales) -> list | None:
+    """`moe`'s checks of its weights for rows of D values → the kernel's pointers to the banks, the
+    shared expert and the scales (None for held banks), or None where it does not take them."""
     w1, w3, w2 = banks
-    if lib is None or not _bf16_rows(x, gate, *shared) or bias.dtype != torch.float32 or not bias.is_contiguous():
+    if not _bf16_rows(gate, *shared) or bias.dtype != torch.float32 or not bias.is_contiguous():
         return None
     if not all(w.is_contiguous() and w.dim() == 3 for w in banks):
         return None
-    (n, D), (E, I) = x.shape, w1.shape[:2]
+    E, I = w1.shape[:2]
     held = torch.bfloat16 if scales is None else torch.int8
     per_byte = 1 if scales is None else 2                                   # fp4: two values a byte
     tensors, expected = [gate, bias, w1, w3, w2, *shared], [(E, D), (E,), (E, I, D // per_byte), (E, I, D // per_byte),
@@ -773,12 +860,44 @@ def moe(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, k: int, scale: 
         tensors, expected = tensors + list(scales), expected + [(E, I, D // 32), (E, I, D // 32), (E, D, I // 32)]
     if any(w.dtype != held for w in banks) or [tuple(t.shape) for t in tensors] != expected or not 0 < k <= E:
         return None
-    ids, weights, y = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k), x.new_empty(n, D)
-    c1, c3, c2 = (None, None, None) if scales is None else tuple(c.data_ptr() for c in scales)
-    status = lib.dsv41_moe(n, D, E, k, I, torch.get_num_threads(), x.data_ptr(), gate.data_ptr(), bias.data_ptr(),
-                           scale, eps, limit, w1.data_ptr(), w3.data_ptr(), w2.data_ptr(),
-                           *(w.data_ptr() for w in shared), c1, c3, c2, ids.data_ptr(), weights.data_ptr(), y.data_ptr())
-    return (y, ids) if status == 0 else None
+    pointers = [w.data_ptr() for w in (*banks, *shared)]
+    return pointers + ([None] * 3 if scales is None else [c.data_ptr() for c in scales])
+
+
+def ffn_half(x: torch.Tensor, pre: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+             mixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, float, float],
+             norm: tuple[torch.Tensor, float], gate: torch.Tensor, bias: torch.Tensor, k: int, scale: float, eps: float,
+             limit: float, banks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+             shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+             scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """A block's feed-forward half for decode rows in one call (sublayers.c `dsv41_ffn_half`): the streams
+    x [..., S, D] bf16 with the attention's output `out` [..., D] (its post and comb), the FFN's mixes
+    `mixes` = (fn, scale, base, Sinkhorn iterations, norm eps, hc eps) and `norm` (ffn_norm's weight,
+    eps) → (streams [..., S, D], the FFN's pre [..., S], the chosen ids [n, k]): the bits of `hc_enter`,
+    `moe` and `hc_expand` one by one. None where a part would decline."""
+    lib = _library()
+    if lib is None:
+        return None
+    fn, mix_scale, base, iters, norm_eps, hc_eps = mixes
+    entry = _entry(x, pre, fn, mix_scale, base, norm[0], out, post, comb)
+    if entry is None or x.dtype != torch.bfloat16:
+        return None
+    x, pre, fn, mix_scale, base, norm_weight, out, post, comb = entry
+    (lead, (S, D)), (E, I) = (x.shape[:-2], x.shape[-2:]), banks[0].shape[:2]
+    experts = _experts(D, gate, bias, k, banks, shared, scales)
+    if experts is None or out.shape != (*lead, D):
+        return None
+    n = lead.numel()
+    pre_next, ids, weights = torch.empty(*lead, S), torch.empty(n, k, dtype=torch.int64), torch.empty(n, k)
+    streams = torch.empty_like(x)
+    threads = torch.get_num_threads()
+    status = lib.dsv41_ffn_half(n, S, D, out.data_ptr(), x.data_ptr(), post.data_ptr(), comb.data_ptr(), fn.data_ptr(),
+                                mix_scale.data_ptr(), base.data_ptr(), iters, norm_eps, hc_eps,
+                                threads if n * fn.numel() >= GEMV_THREAD_FROM else 1, pre.data_ptr(),
+                                norm_weight.data_ptr(), norm_weight.dtype == torch.bfloat16, norm[1], E, k, I, threads,
+                                gate.data_ptr(), bias.data_ptr(), scale, eps, limit, *experts, pre_next.data_ptr(),
+                                ids.data_ptr(), weights.data_ptr(), streams.data_ptr())
+    return (streams, pre_next, ids) if status == 0 else None
 
 
 def qdq(x: torch.Tensor, point: str) -> torch.Tensor | None:
@@ -800,9 +919,10 @@ def qdq(x: torch.Tensor, point: str) -> torch.Tensor | None:
     return out
 
 
-def row_addresses(rows: torch.Tensor, slots: list[int], positions: list[int]) -> torch.Tensor:
+def _row_addresses(rows: torch.Tensor, slots: list[int], positions: list[int]) -> torch.Tensor:
     """int64 [n]: the address of rows[slots[i], positions[i]] (a [slots, length, width] cache tensor whose
-    rows are contiguous), for the kernels below, which read or write rows of several slots."""
+    rows are contiguous; the caller checks the bounds), for the kernels below, which read or write rows
+    of several slots."""
     step, at = rows.element_size(), rows.data_ptr()
     return torch.tensor([at + (s * rows.stride(0) + p * rows.stride(1)) * step for s, p in zip(slots, positions)],
                         dtype=torch.int64)
@@ -810,16 +930,20 @@ def row_addresses(rows: torch.Tensor, slots: list[int], positions: list[int]) ->
 
 def publish(x: torch.Tensor | None, wkv: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
             latent: torch.Tensor | None, wk: torch.Tensor, k_norm: torch.Tensor, k_eps: float, phases: torch.Tensor,
-            kv_rows: torch.Tensor, key_rows: torch.Tensor) -> bool:
+            kv: torch.Tensor, index_keys: torch.Tensor, slots: list[int], rows: list[int]) -> bool:
     """A kv source's new compressed rows in one call (compressed.c `dsv41_publish`): from the latents
     [G, Dh] pre-RoPE, or for r = 1 from the tokens x [G, D] (latent = RMSNorm(x · wkvᵀ, norm, eps)), the
-    row RoPE(latent) written at kv_rows and the index key RoPE(RMSNorm(latent · wkᵀ, k_norm, k_eps)) at
-    key_rows (`row_addresses` of bf16 cache rows), the bits of the calls one by one; phases complex64
-    [G, R/2]. False where the kernel is not available or does not take the call (nothing written)."""
+    row RoPE(latent) written to kv[slots[i], rows[i]] and the index key RoPE(RMSNorm(latent · wkᵀ, k_norm,
+    k_eps)) to index_keys[slots[i], rows[i]] (bf16 caches; the caller checks the bounds), the bits of the
+    calls one by one; phases complex64 [G, R/2]. False where the kernel is not available or does not
+    take the call (nothing written)."""
     lib = _library()
-    source = latent if x is None else x
-    if lib is None or source.dtype != torch.bfloat16 or phases.dtype != torch.complex64 or not _bf16_rows(wk):
+    if lib is None:
         return False
+    source = latent if x is None else x
+    if source.dtype != torch.bfloat16 or phases.dtype != torch.complex64 or not _bf16_rows(wk):
+        return False
+    kv_rows, key_rows = _row_addresses(kv, slots, rows), _row_addresses(index_keys, slots, rows)
     if x is not None and not (_bf16_rows(wkv) and norm.dtype in _GEMV_DTYPES):
         return False
     (Di, Dh), G = wk.shape, kv_rows.numel()
@@ -841,21 +965,23 @@ def publish(x: torch.Tensor | None, wkv: torch.Tensor | None, norm: torch.Tensor
 
 
 def index_select(x: torch.Tensor, qr: torch.Tensor, wq_b: torch.Tensor, weights_proj: torch.Tensor, scale: float,
-                 phases: torch.Tensor, key_rows: torch.Tensor, C: int, visible: torch.Tensor, topk: int,
+                 phases: torch.Tensor, keys: list[tuple[torch.Tensor, int]], C: int, visible: torch.Tensor, topk: int,
                  blocks: tuple[int, int] | None, restrict: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A decode step's choice of compressed positions in one call (compressed.c `dsv41_index_select`): x
-    [.., N, D] and qr [.., N, Qr] bf16 (one token per row), each token's index keys [C, Di] at key_rows
-    (`row_addresses`), visible [N] → (chosen [N, min(topk, C)] int64 ascending, −1 for none; with
-    `blocks` = (Nb, Bs) the candidate source's kept-block mask [N, C] bool, else None); restrict [.., N,
-    C] bool: a candidate user's mask. The bits of the indexer's calls one by one. None where the kernel
-    is not available or does not take the call."""
+    [.., N, D] and qr [.., N, Qr] bf16 (one token per row), each token's index keys [C, Di] (`keys`: per
+    token a cache's bf16 index_keys [slots, ≥ C, Di] and its slot; the caller checks the bounds), visible
+    [N] → (chosen [N, min(topk, C)] int64 ascending, −1 for none; with `blocks` = (Nb, Bs) the candidate
+    source's kept-block mask [N, C] bool, else None); restrict [.., N, C] bool: a candidate user's mask.
+    The bits of the indexer's calls one by one. None where the kernel is not available or does not take
+    the call."""
     lib = _library()
     if lib is None or not _bf16_rows(wq_b, weights_proj) or x.dtype != torch.bfloat16 or qr.dtype != torch.bfloat16:
         return None
     (HD, Qr), (Hi, D) = wq_b.shape, weights_proj.shape
     N, R = x.numel() // D, 2 * phases.shape[-1]
-    if HD % Hi or qr.numel() != N * Qr or x.shape[-1] != D or key_rows.numel() != N or visible.numel() != N:
+    if HD % Hi or qr.numel() != N * Qr or x.shape[-1] != D or len(keys) != N or visible.numel() != N:
         return None
+    key_rows = torch.tensor([t.data_ptr() + s * t.stride(0) * t.element_size() for t, s in keys], dtype=torch.int64)
     Di = HD // Hi
     if C < 1 or topk < 1 or phases.numel() * 2 != N * R or R > Di or phases.is_conj() or not phases.is_contiguous():
         return None

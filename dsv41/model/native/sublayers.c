@@ -110,3 +110,62 @@ int dsv41_moe(int64_t N, int64_t D, int64_t E, int64_t A, int64_t I, int threads
     free(widened);
     return status;
 }
+
+int dsv41_hc_enter(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
+                   const float *post, const float *comb, void *streams, const float *fn, const float *scale,
+                   const float *base, int64_t iters, float norm_eps, float hc_eps, int threads, const float *pre,
+                   const void *norm_weight, int norm_bf16, float eps, float *pre_out, float *post_out,
+                   float *comb_out, void *h);
+void dsv41_hc_expand(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
+                     const float *post, const float *comb, void *out);
+
+/* A block's feed-forward half for N bf16 tokens of S streams (block.py `Block.run` after the attention):
+ * the FFN's entry (`dsv41_hc_enter`: the attention's output o [N, D] expanded into the streams R [N, S, D]
+ * with its post and comb, the FFN's mixes → pre_out [N, S] and its own post and comb, the normed input),
+ * the MoE of that input (`dsv41_moe` → ids, weights), and its output expanded into the streams with the
+ * FFN's post and comb (`dsv41_hc_expand` → streams_out [N, S, D]). The three calls the block makes, in
+ * their order, with their arguments: their bits in one call. Returns 0, or -1 (nothing to be used). */
+int dsv41_ffn_half(int64_t N, int64_t S, int64_t D, const uint16_t *o, const uint16_t *residual, const float *post,
+                   const float *comb, const float *fn, const float *scale, const float *base, int64_t iters,
+                   float norm_eps, float hc_eps, int mix_threads, const float *pre, const void *norm_weight,
+                   int norm_bf16, float eps, int64_t E, int64_t A, int64_t I, int threads, const uint16_t *gate,
+                   const float *bias, float route_scale, float route_eps, float limit, const void *w1, const void *w3,
+                   const void *w2, const void *s1, const void *s3, const void *s2, const uint8_t *c1,
+                   const uint8_t *c3, const uint8_t *c2, float *pre_out, int64_t *ids, float *weights,
+                   uint16_t *streams_out) {
+    uint16_t *entered = malloc((size_t)(N * (S * D + 2 * D)) * sizeof(uint16_t));
+    float *mixes = malloc((size_t)(N * (S + S * S)) * sizeof(float));
+    if (entered == NULL || mixes == NULL) {
+        free(entered); free(mixes);
+        return -1;
+    }
+    uint16_t *h = entered + N * S * D, *y = h + N * D;
+    float *post_ffn = mixes, *comb_ffn = mixes + N * S;
+    int status = dsv41_hc_enter(N, S, D, 1, o, residual, post, comb, entered, fn, scale, base, iters, norm_eps, hc_eps,
+                                mix_threads, pre, norm_weight, norm_bf16, eps, pre_out, post_ffn, comb_ffn, h);
+    if (status == 0)
+        status = dsv41_moe(N, D, E, A, I, threads, h, gate, bias, route_scale, route_eps, limit, w1, w3, w2, s1, s3, s2,
+                           c1, c3, c2, ids, weights, y);
+    if (status == 0) dsv41_hc_expand(N, S, D, 1, y, entered, post_ffn, comb_ffn, streams_out);
+    free(entered); free(mixes);
+    return status;
+}
+
+/* A block's way into its attention for N bf16 tokens of S streams: the attention's entry
+ * (`dsv41_hc_enter` without a previous output: the streams' mixes → pre_out, post_out, comb_out, and the
+ * normed input h [N, D]) and the query and key paths of h (`dsv41_attention_in` → qr, q, kv). The two
+ * calls the block and its attention make, with their arguments: their bits in one call. Returns 0 or -1. */
+int dsv41_attention_entry(int64_t N, int64_t S, int64_t D, const uint16_t *streams, const float *fn, const float *scale,
+                          const float *base, int64_t iters, float norm_eps, float hc_eps, int mix_threads,
+                          const float *pre, const void *norm_weight, int norm_bf16, float eps, float *pre_out,
+                          float *post_out, float *comb_out, uint16_t *h, int64_t Qr, int64_t H, int64_t Dh, int64_t R,
+                          int threads, const uint16_t *wq_a, const void *q_norm, int q_norm_bf16, float q_eps,
+                          const uint16_t *wq_b, const uint16_t *wkv, const void *kv_norm, int kv_norm_bf16,
+                          float kv_eps, const float *phases, uint16_t *qr, uint16_t *q, uint16_t *kv) {
+    int status = dsv41_hc_enter(N, S, D, 1, NULL, streams, NULL, NULL, NULL, fn, scale, base, iters, norm_eps, hc_eps,
+                                mix_threads, pre, norm_weight, norm_bf16, eps, pre_out, post_out, comb_out, h);
+    if (status == 0)
+        status = dsv41_attention_in(N, D, Qr, H, Dh, R, threads, h, wq_a, q_norm, q_norm_bf16, q_eps, wq_b, wkv,
+                                    kv_norm, kv_norm_bf16, kv_eps, phases, qr, q, kv);
+    return status;
+}
