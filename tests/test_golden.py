@@ -123,7 +123,7 @@ def _interleaved_groups(self, o):
     return self.numerics.einsum("btgi,gri->btgr", groups, wo_a).flatten(2)
 
 
-def _ffn_reads_attention_pre(self, x, pre, attend, feed_forward):
+def _ffn_reads_attention_pre(self, x, pre, attend, feed_forward, projections=None):
     """The FFN collapses the streams with the pre-mix the attention used (not the lagging one, trap 1)."""
     pre_attn, post, comb = self._mixes(x, "attn")
     x = hyper.expand(attend(self.attn_norm(hyper.collapse(x, pre))), x, post, comb, self.numerics)

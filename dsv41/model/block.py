@@ -59,7 +59,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, pre: torch.Tensor, step: Step, handoff: Handoff, cache: ModelCache,
                 image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [1, N, S, D], pre [1, N, S] (from the previous sublayer, trap 1) → (x, pre for the next)."""
-        attend = lambda h, entered=None: self.attn(h, step, handoff, cache, entered)
+        attend = lambda h, entered=None: self.attn(h, step, handoff, cache, entered=entered)
         projections = None if image_mask is not None else (lambda: self.attn.projections(step, handoff))
         return self.run(x, pre, attend, lambda h: self.ffn(h, image_mask), projections=projections)
 

@@ -185,7 +185,7 @@ class Transformer(nn.Module):
                 targets.append(x.float().mean(dim=2).to(x.dtype))
             x, pre = block(x, pre, step, handoff, cache, image_mask)
         cache.advance(step)
-        hidden = hyper.collapse(x, pre)[0]
+        hidden = hyper.collapse(x, pre, self.numerics)[0]
         return ModelOutput(hidden=hidden, dspark_hidden=torch.cat(targets, dim=-1)[0] if targets else None)
 
     def dspark_observe(self, dspark_hidden: torch.Tensor, step: Step | int, cache: ModelCache, *,

@@ -25,7 +25,8 @@ router after the gate's logits (`route`: √softplus, the biased top-k, the norm
 `attention.c` a fast decode step's sparse attention (one softmax with the sink) instead of ~20,
 `norm.c` its RMSNorms, `indexer.c` its index scores (a ReLU-weighted head sum per key) instead of ~10
 per batch row. `sublayers.c` strings those kernels together for a decode step's attention projections
-(in and out) and its whole MoE, three calls a layer where there were fourteen, with the same bits (N33);
+(in and out) and its whole MoE, three calls a layer where there were fourteen, with the same bits (N33),
+and for a block's way into its attention and its feed-forward half (N35);
 `compressed.c` for its compressed branch: a kv source's new cache rows and an index source's choice of
 positions, two calls where there were a dozen (N34).
 

@@ -2,7 +2,8 @@
  * two calls instead of eleven (attention.py `Attention.forward`): into the attention, the query path
  * (wq_a, q_norm, wq_b, RoPE) and the key path (wkv, kv_norm, RoPE); out of it, the inverse RoPE, wo_a's
  * groups and wo_b. And the MoE in one call instead of three (moe.py `MoE.routed`): the gate's logits,
- * the router and the routed and shared experts.
+ * the router and the routed and shared experts. And (N35) a block's way into its attention (the attention's
+ * entry, then the projections) and its feed-forward half (the FFN's entry, the MoE, the expansion).
  *
  * Each part is the kernel the layer would call on its own (`dsv41_gemv`, `dsv41_rms_norm`, `dsv41_rope`,
  * `dsv41_route`, `dsv41_routed_experts`), with the same arguments, in the same order, so the results have
