@@ -1090,18 +1090,24 @@ def test_the_policy_fuses_the_feed_forward_half_of_decode_rows_only():
     assert call(FAST_NATIVE, moe=held_fp32) is None                                  # banks of another dtype
 
 
-def test_a_decode_step_takes_the_feed_forward_half_with_the_bits_of_the_layer_calls(monkeypatch):
+def _a_block_call_with_the_bits_of_the_layer_calls(name: str, monkeypatch, **runtime):
+    """A model's two rows decoding call native.`name` (its first argument [1, N, …]) once a layer per
+    decode step, with both rows, and give the bits they give with it declining."""
     from helpers import MAX_SEQ, binding_config, without_dspark
-    for stored in (False, True):
-        runtime = RuntimeConfig(max_seq_len=2 * MAX_SEQ, max_batch_size=2, numerics="fast", stored_experts=stored)
-        model = init_random_(Transformer(without_dspark(binding_config()), runtime), 0)
-        calls = []
-        real = native.ffn_half
-        monkeypatch.setattr(native, "ffn_half", lambda *a: calls.append(a[0].shape[1]) or real(*a))
-        fused = _two_rows_decoding(model)
-        assert calls == [2] * (10 * model.cfg.n_layers)                               # the decode steps only
-        monkeypatch.setattr(native, "ffn_half", lambda *a: None)
-        assert all(torch.equal(a, b) for a, b in zip(fused, _two_rows_decoding(model)))
+    runtime = RuntimeConfig(max_seq_len=2 * MAX_SEQ, max_batch_size=2, numerics="fast", **runtime)
+    model = init_random_(Transformer(without_dspark(binding_config()), runtime), 0)
+    calls = []
+    real = getattr(native, name)
+    monkeypatch.setattr(native, name, lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    fused = _two_rows_decoding(model)
+    assert calls == [2] * (10 * model.cfg.n_layers)                                   # the decode steps only
+    monkeypatch.setattr(native, name, lambda *a: None)
+    assert all(torch.equal(a, b) for a, b in zip(fused, _two_rows_decoding(model)))
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["held", "stored"])
+def test_a_decode_step_takes_the_feed_forward_half_with_the_bits_of_the_layer_calls(stored, monkeypatch):
+    _a_block_call_with_the_bits_of_the_layer_calls("ffn_half", monkeypatch, stored_experts=stored)
 
 
 @pytest.mark.parametrize("old, new", [
@@ -1163,16 +1169,7 @@ def test_the_policy_enters_the_attention_in_one_call_for_decode_rows_only():
 
 
 def test_a_decode_step_enters_each_attention_in_one_call_with_the_bits_of_the_layer_calls(monkeypatch):
-    from helpers import MAX_SEQ, binding_config, without_dspark
-    runtime = RuntimeConfig(max_seq_len=2 * MAX_SEQ, max_batch_size=2, numerics="fast")
-    model = init_random_(Transformer(without_dspark(binding_config()), runtime), 0)
-    calls = []
-    real = native.attention_entry
-    monkeypatch.setattr(native, "attention_entry", lambda *a: calls.append(a[0].shape[1]) or real(*a))
-    fused = _two_rows_decoding(model)
-    assert calls == [2] * (10 * model.cfg.n_layers)                                   # the decode steps only
-    monkeypatch.setattr(native, "attention_entry", lambda *a: None)
-    assert all(torch.equal(a, b) for a, b in zip(fused, _two_rows_decoding(model)))
+    _a_block_call_with_the_bits_of_the_layer_calls("attention_entry", monkeypatch)
 
 
 @pytest.mark.parametrize("old, new", [

@@ -58,9 +58,10 @@ from .. import formats
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("blockgemm.c", "quantize.c", "gemv.c", "mixes.c", "rope.c", "topk.c", "attention.c",
                              "norm.c", "indexer.c", "engram.c", "sublayers.c", "compressed.c"))
-# Included by the sources (bf16 ⇄ fp32, a thread's share of a loop): part of the library's key, found in
+# Included by the sources (bf16 ⇄ fp32, a thread's share of a loop, the kernels one source calls from
+# another): part of the library's key, found in
 # this folder (-I).
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "span.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "span.h", "kernels.h"))
 # Products (P·M·N·K) below which a block GEMM runs on one thread (OpenMP's warm pool costs ~1 µs to
 # join; one thread sums ~2¹⁵ products in ~30 µs).
 THREAD_FROM = 1 << 15
@@ -668,6 +669,11 @@ def _entry(x, pre, fn, scale, base, norm_weight, out, post, comb) -> tuple | Non
     return x, pre, fn, scale, base, norm_weight, out, post, comb
 
 
+def _bf16_entry(x, pre, mixes, norm_weight, out, post, comb) -> tuple | None:
+    """`_entry` of bf16 streams with the mixes' (fn, scale, base, …) as the block's fused calls take them."""
+    return _entry(x, pre, *mixes[:3], norm_weight, out, post, comb) if x.dtype == torch.bfloat16 else None
+
+
 def hc_enter(x: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              iters: int, norm_eps: float, hc_eps: float, norm_weight: torch.Tensor, eps: float,
              out: torch.Tensor | None = None, post: torch.Tensor | None = None, comb: torch.Tensor | None = None):
@@ -775,13 +781,11 @@ def attention_entry(x: torch.Tensor, pre: torch.Tensor, mixes: tuple, norm: tupl
     after its rows (`projections`) → ((pre, post, comb) of the attention's mixes, h [..., D], (qr, q, kv)
     [..., …]): the bits of `hc_enter` and `attention_in` one by one. None where a part would decline."""
     lib = _library()
-    if lib is None:
-        return None
-    fn, scale, base, iters, norm_eps, hc_eps = mixes
-    entry = _entry(x, pre, fn, scale, base, norm[0], None, None, None)
-    if entry is None or x.dtype != torch.bfloat16:
+    entry = None if lib is None else _bf16_entry(x, pre, mixes, norm[0], None, None, None)
+    if entry is None:
         return None
     x, pre, fn, scale, base, norm_weight, _, _, _ = entry
+    iters, norm_eps, hc_eps = mixes[3:]
     lead, (S, D) = x.shape[:-2], x.shape[-2:]
     paths = _paths(lead, D, x.dtype, *projections)
     if paths is None:
@@ -877,13 +881,11 @@ def ffn_half(x: torch.Tensor, pre: torch.Tensor, out: torch.Tensor, post: torch.
     eps) → (streams [..., S, D], the FFN's pre [..., S], the chosen ids [n, k]): the bits of `hc_enter`,
     `moe` and `hc_expand` one by one. None where a part would decline."""
     lib = _library()
-    if lib is None:
-        return None
-    fn, mix_scale, base, iters, norm_eps, hc_eps = mixes
-    entry = _entry(x, pre, fn, mix_scale, base, norm[0], out, post, comb)
-    if entry is None or x.dtype != torch.bfloat16:
+    entry = None if lib is None else _bf16_entry(x, pre, mixes, norm[0], out, post, comb)
+    if entry is None:
         return None
     x, pre, fn, mix_scale, base, norm_weight, out, post, comb = entry
+    iters, norm_eps, hc_eps = mixes[3:]
     (lead, (S, D)), (E, I) = (x.shape[:-2], x.shape[-2:]), banks[0].shape[:2]
     experts = _experts(D, gate, bias, k, banks, shared, scales)
     if experts is None or out.shape != (*lead, D):

@@ -30,27 +30,11 @@
 #include <string.h>
 
 #include "bf16.h"
-
-int dsv41_gemv(int64_t P, int64_t M, int64_t N, int64_t K, int x_bf16, int w_bf16, int out_bf16, int exact,
-               int threads, const void *x, int64_t x_sp, int64_t x_sm, const void *w, int64_t w_sp, int64_t w_sn,
-               void *out, int64_t o_sp, int64_t o_sm);
-void dsv41_rms_norm(int64_t rows, int64_t D, float eps, const void *x, int x_bf16, const void *w, int w_bf16,
-                    void *out);
-void dsv41_rope(int64_t B, int64_t T, int64_t H, int64_t F, int64_t R, int64_t PB, int bf16, int conj,
-                const void *x, const float *phases, void *out);
-int dsv41_index_scores(int64_t B, int64_t T, int64_t H, int64_t D, int64_t C, int bf16, int threads, const void *q,
-                       const void *w, const void *keys, int64_t key_stride, void *out);
-void dsv41_topk(int64_t rows, int64_t n, int64_t k, int sorted, int threads, const void *scores, int bf16,
-                int64_t *heap, int64_t *indices, void *values);
+#include "kernels.h"
 
 #define BF16_NEG_INF 0xFF80u
 /* Products (C · Hi · Di) from which a token's scores take the threads (native/__init__.py GEMV_THREAD_FROM). */
 #define SCORE_THREADS_FROM (1 << 15)
-
-static int product(int64_t N, int64_t rows, int64_t K, int threads, const uint16_t *x, const uint16_t *w,
-                   uint16_t *out) {
-    return dsv41_gemv(1, N, rows, K, 1, 1, 1, 0, threads, x, 0, K, w, 0, K, out, 0, rows);
-}
 
 int dsv41_publish(int64_t G, int64_t D, int64_t Dh, int64_t Di, int64_t R, int threads, const uint16_t *x,
                   const uint16_t *wkv, const void *norm, int norm_bf16, float eps, const uint16_t *latent,
@@ -61,11 +45,11 @@ int dsv41_publish(int64_t G, int64_t D, int64_t Dh, int64_t Di, int64_t R, int t
     uint16_t *own = scratch, *rotated = own + G * Dh, *keys = rotated + G * Dh, *rotated_keys = keys + G * Di;
     int status = 0;
     if (x != NULL) {                                    /* r = 1: the compressor's projection and norm */
-        status = product(G, Dh, D, threads, x, wkv, own);
+        status = bf16_product(G, Dh, D, threads, x, wkv, own);
         if (status == 0) dsv41_rms_norm(G, Dh, eps, own, 1, norm, norm_bf16, own);
         latent = own;
     }
-    if (status == 0) status = product(G, Di, Dh, threads, latent, wk, keys);
+    if (status == 0) status = bf16_product(G, Di, Dh, threads, latent, wk, keys);
     if (status == 0) {
         dsv41_rms_norm(G, Di, k_eps, keys, 1, k_norm, k_norm_bf16, keys);
         dsv41_rope(1, G, 1, Di, R, 1, 1, 0, keys, phases, rotated_keys);
@@ -124,10 +108,10 @@ int dsv41_index_select(int64_t N, int64_t D, int64_t Qr, int64_t Hi, int64_t Di,
     }
     uint16_t *q_raw = q + N * Hi * Di, *w = q_raw + N * Hi * Di, *s = w + N * Hi;
     int64_t *picked = heap + longest, *values = picked + picks;
-    int status = product(N, Hi * Di, Qr, threads, qr, wq_b, q_raw);
+    int status = bf16_product(N, Hi * Di, Qr, threads, qr, wq_b, q_raw);
     if (status == 0) {
         dsv41_rope(1, N, Hi, Di, R, 1, 1, 0, q_raw, phases, q);
-        status = product(N, Hi, D, threads, x, weights_proj, w);
+        status = bf16_product(N, Hi, D, threads, x, weights_proj, w);
     }
     for (int64_t i = 0; status == 0 && i < N * Hi; i++) w[i] = float_to_bf16(bf16_to_float(w[i]) * scale);
     const int score_threads = C * Hi * Di >= SCORE_THREADS_FROM ? threads : 1;

@@ -20,27 +20,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
-
-int dsv41_gemv(int64_t P, int64_t M, int64_t N, int64_t K, int x_bf16, int w_bf16, int out_bf16, int exact,
-               int threads, const void *x, int64_t x_sp, int64_t x_sm, const void *w, int64_t w_sp, int64_t w_sn,
-               void *out, int64_t o_sp, int64_t o_sm);
-void dsv41_rms_norm(int64_t rows, int64_t D, float eps, const void *x, int x_bf16, const void *w, int w_bf16,
-                    void *out);
-void dsv41_rope(int64_t B, int64_t T, int64_t H, int64_t F, int64_t R, int64_t PB, int bf16, int conj,
-                const void *x, const float *phases, void *out);
-int dsv41_route(int64_t n, int64_t E, int64_t k, float scale, float eps, int threads, const float *logits,
-                const float *bias, const float *bias_vl, const uint8_t *image, int64_t *ids, float *weights);
-int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, int w_bf16, int x_bf16, float limit,
-                         int threads, const void *x, const int64_t *ids, const float *weights,
-                         const void *w1, const void *w3, const void *w2, const void *s1, const void *s3,
-                         const void *s2, const uint8_t *c1, const uint8_t *c3, const uint8_t *c2, int accumulate,
-                         float *out);
-
-/* One bf16 product of N rows: out [N, rows] = x [N, K] · w [rows, K]ᵀ (Linear.forward's). */
-static int product(int64_t N, int64_t rows, int64_t K, int threads, const uint16_t *x, const uint16_t *w,
-                   uint16_t *out) {
-    return dsv41_gemv(1, N, rows, K, 1, 1, 1, 0, threads, x, 0, K, w, 0, K, out, 0, rows);
-}
+#include "kernels.h"
 
 /* qr = q_norm(x · wq_aᵀ) [N, Qr]; q = RoPE(qr · wq_bᵀ) [N, H, Dh]; kv = RoPE(kv_norm(x · wkvᵀ)) [N, Dh].
  * Returns 0, or -1 (no memory, or a product refused its shapes; then nothing is to be used). */
@@ -51,14 +31,14 @@ int dsv41_attention_in(int64_t N, int64_t D, int64_t Qr, int64_t H, int64_t Dh, 
     uint16_t *unrotated = malloc((size_t)(N * (H + 1) * Dh) * sizeof(uint16_t));
     if (unrotated == NULL) return -1;
     uint16_t *q_raw = unrotated, *kv_raw = unrotated + N * H * Dh;
-    int status = product(N, Qr, D, threads, x, wq_a, qr);
+    int status = bf16_product(N, Qr, D, threads, x, wq_a, qr);
     if (status == 0) {
         dsv41_rms_norm(N, Qr, q_eps, qr, 1, q_norm, q_norm_bf16, qr);
-        status = product(N, H * Dh, Qr, threads, qr, wq_b, q_raw);
+        status = bf16_product(N, H * Dh, Qr, threads, qr, wq_b, q_raw);
     }
     if (status == 0) {
         dsv41_rope(1, N, H, Dh, R, 1, 1, 0, q_raw, phases, q);
-        status = product(N, Dh, D, threads, x, wkv, kv_raw);
+        status = bf16_product(N, Dh, D, threads, x, wkv, kv_raw);
     }
     if (status == 0) {
         dsv41_rms_norm(N, Dh, kv_eps, kv_raw, 1, kv_norm, kv_norm_bf16, kv_raw);
@@ -82,7 +62,7 @@ int dsv41_attention_out(int64_t N, int64_t H, int64_t Dh, int64_t R, int64_t G, 
     dsv41_rope(1, N, H, Dh, R, 1, 1, 1, o, phases, rotated);
     int status = dsv41_gemv(G, N, Or, I, 1, 1, 1, 0, threads, rotated, I, H * Dh, wo_a, Or * I, I, grouped, Or,
                             G * Or);
-    if (status == 0) status = product(N, D, G * Or, threads, grouped, wo_b, y);
+    if (status == 0) status = bf16_product(N, D, G * Or, threads, grouped, wo_b, y);
     free(rotated);
     return status;
 }
@@ -111,14 +91,6 @@ int dsv41_moe(int64_t N, int64_t D, int64_t E, int64_t A, int64_t I, int threads
     free(widened);
     return status;
 }
-
-int dsv41_hc_enter(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
-                   const float *post, const float *comb, void *streams, const float *fn, const float *scale,
-                   const float *base, int64_t iters, float norm_eps, float hc_eps, int threads, const float *pre,
-                   const void *norm_weight, int norm_bf16, float eps, float *pre_out, float *post_out,
-                   float *comb_out, void *h);
-void dsv41_hc_expand(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
-                     const float *post, const float *comb, void *out);
 
 /* A block's feed-forward half for N bf16 tokens of S streams (block.py `Block.run` after the attention):
  * the FFN's entry (`dsv41_hc_enter`: the attention's output o [N, D] expanded into the streams R [N, S, D]

@@ -1,0 +1,41 @@
+/* The kernels one source of this folder calls from another (sublayers.c and compressed.c string them
+ * together; docs/NUMERICS.md N33–N35), and the bf16 product they all make: one declaration each, so
+ * a changed signature fails to compile instead of passing arguments in the wrong places. */
+#ifndef DSV41_KERNELS_H
+#define DSV41_KERNELS_H
+
+#include <stdint.h>
+
+int dsv41_gemv(int64_t P, int64_t M, int64_t N, int64_t K, int x_bf16, int w_bf16, int out_bf16, int exact,
+               int threads, const void *x, int64_t x_sp, int64_t x_sm, const void *w, int64_t w_sp, int64_t w_sn,
+               void *out, int64_t o_sp, int64_t o_sm);
+void dsv41_rms_norm(int64_t rows, int64_t D, float eps, const void *x, int x_bf16, const void *w, int w_bf16,
+                    void *out);
+void dsv41_rope(int64_t B, int64_t T, int64_t H, int64_t F, int64_t R, int64_t PB, int bf16, int conj,
+                const void *x, const float *phases, void *out);
+int dsv41_route(int64_t n, int64_t E, int64_t k, float scale, float eps, int threads, const float *logits,
+                const float *bias, const float *bias_vl, const uint8_t *image, int64_t *ids, float *weights);
+int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, int w_bf16, int x_bf16, float limit,
+                         int threads, const void *x, const int64_t *ids, const float *weights,
+                         const void *w1, const void *w3, const void *w2, const void *s1, const void *s3,
+                         const void *s2, const uint8_t *c1, const uint8_t *c3, const uint8_t *c2, int accumulate,
+                         float *out);
+int dsv41_index_scores(int64_t B, int64_t T, int64_t H, int64_t D, int64_t C, int bf16, int threads, const void *q,
+                       const void *w, const void *keys, int64_t key_stride, void *out);
+void dsv41_topk(int64_t rows, int64_t n, int64_t k, int sorted, int threads, const void *scores, int bf16,
+                int64_t *heap, int64_t *indices, void *values);
+int dsv41_hc_enter(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
+                   const float *post, const float *comb, void *streams, const float *fn, const float *scale,
+                   const float *base, int64_t iters, float norm_eps, float hc_eps, int threads, const float *pre,
+                   const void *norm_weight, int norm_bf16, float eps, float *pre_out, float *post_out,
+                   float *comb_out, void *h);
+void dsv41_hc_expand(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
+                     const float *post, const float *comb, void *out);
+
+/* One bf16 product of N rows: out [N, rows] = x [N, K] · w [rows, K]ᵀ (Linear.forward's). */
+static inline int bf16_product(int64_t N, int64_t rows, int64_t K, int threads, const uint16_t *x,
+                               const uint16_t *w, uint16_t *out) {
+    return dsv41_gemv(1, N, rows, K, 1, 1, 1, 0, threads, x, 0, K, w, 0, K, out, 0, rows);
+}
+
+#endif
