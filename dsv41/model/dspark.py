@@ -161,7 +161,7 @@ def draft(stages: nn.ModuleList, embed: Embedding, head: Head, cfg: ModelConfig,
     B, Bs = token.shape[0], cfg.dspark_block_size
     ids = token.new_full((B, Bs), cfg.dspark_noise_token_id)
     ids[:, 0] = token
-    x = embed(ids).to(dtype).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)                 # [B, Bs, S, D]
+    x = embed(ids).to(dtype).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()  # [B, Bs, S, D]
     pre = hyper.identity_pre(B, Bs, cfg.hc_mult, device=token.device)
     for stage in stages:
         x, pre = stage(x, pre, step, Handoff(), cache, None)                            # drafts are text
