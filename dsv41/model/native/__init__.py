@@ -769,7 +769,8 @@ def _paths(lead: torch.Size, D: int, dtype: torch.dtype, wq_a, q_norm, q_eps, wq
 
 
 def _pointers(args: list) -> list:
-    """Arguments for a kernel: each tensor's address (the list keeps the tensors alive through the call)."""
+    """Arguments for a kernel: each tensor's address, None as NULL (the caller keeps the tensors alive
+    through the call)."""
     return [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
 
 
@@ -946,25 +947,26 @@ def publish(x: torch.Tensor | None, wkv: torch.Tensor | None, norm: torch.Tensor
     source = latent if x is None else x
     if source.dtype != torch.bfloat16 or phases.dtype != torch.complex64 or not _bf16_rows(wk):
         return False
-    kv_rows, key_rows = _row_addresses(kv, slots, rows), _row_addresses(index_keys, slots, rows)
     if x is not None and not (_bf16_rows(wkv) and norm.dtype in _GEMV_DTYPES):
         return False
-    (Di, Dh), G = wk.shape, kv_rows.numel()
+    (Di, Dh), G = wk.shape, len(rows)
     D = 0 if x is None else wkv.shape[1]
     R = 2 * phases.shape[-1]
     if (x is not None and (x.shape[-1], wkv.shape[0], norm.numel()) != (D, Dh, Dh)) or source.numel() != G * (D or Dh):
         return False
     if k_norm.dtype not in _GEMV_DTYPES or k_norm.numel() != Di or phases.numel() * 2 != G * R or R > min(Dh, Di):
         return False
-    if phases.is_conj() or not phases.is_contiguous() or key_rows.numel() != G:
+    if phases.is_conj() or not phases.is_contiguous() or len(slots) != G:
         return False
-    source, k_norm = source.contiguous(), k_norm.contiguous()
-    norm_ptr, norm_bf16 = (None, 0) if x is None else (norm.contiguous().data_ptr(), norm.dtype == torch.bfloat16)
+    kv_rows, key_rows = _row_addresses(kv, slots, rows), _row_addresses(index_keys, slots, rows)
     bf16 = torch.bfloat16
-    return lib.dsv41_publish(G, D, Dh, Di, R, torch.get_num_threads(), None if x is None else source.data_ptr(),
-                             None if x is None else wkv.data_ptr(), norm_ptr, norm_bf16, eps,
-                             None if x is not None else source.data_ptr(), wk.data_ptr(), k_norm.data_ptr(),
-                             k_norm.dtype == bf16, k_eps, phases.data_ptr(), kv_rows.data_ptr(), key_rows.data_ptr()) == 0
+    # the tensors whose addresses the kernel reads stay referenced here through the call
+    source, k_norm = source.contiguous(), k_norm.contiguous()
+    norm = None if x is None else norm.contiguous()
+    tokens, latent = (None, source) if x is None else (source, None)
+    return lib.dsv41_publish(G, D, Dh, Di, R, torch.get_num_threads(), *_pointers([tokens, wkv, norm]),
+                             norm is not None and norm.dtype == bf16, eps, *_pointers([latent, wk, k_norm]),
+                             k_norm.dtype == bf16, k_eps, *_pointers([phases, kv_rows, key_rows])) == 0
 
 
 def index_select(x: torch.Tensor, qr: torch.Tensor, wq_b: torch.Tensor, weights_proj: torch.Tensor, scale: float,
@@ -984,7 +986,6 @@ def index_select(x: torch.Tensor, qr: torch.Tensor, wq_b: torch.Tensor, weights_
     N, R = x.numel() // D, 2 * phases.shape[-1]
     if HD % Hi or qr.numel() != N * Qr or x.shape[-1] != D or len(keys) != N or visible.numel() != N:
         return None
-    key_rows = torch.tensor([t.data_ptr() + s * t.stride(0) * t.element_size() for t, s in keys], dtype=torch.int64)
     Di = HD // Hi
     if C < 1 or topk < 1 or phases.numel() * 2 != N * R or R > Di or phases.is_conj() or not phases.is_contiguous():
         return None
@@ -992,13 +993,14 @@ def index_select(x: torch.Tensor, qr: torch.Tensor, wq_b: torch.Tensor, weights_
         return None
     if blocks is not None and min(blocks) < 1:
         return None
+    key_rows = torch.tensor([t.data_ptr() + s * t.stride(0) * t.element_size() for t, s in keys], dtype=torch.int64)
+    # the tensors whose addresses the kernel reads stay referenced here through the call
     x, qr, visible = x.contiguous(), qr.contiguous(), visible.to(torch.int64).contiguous()
+    restrict = None if restrict is None else restrict.contiguous()
     chosen = torch.empty(N, min(topk, C), dtype=torch.int64)
     keep = None if blocks is None else torch.empty(N, C, dtype=torch.bool)
     Nb, Bs = blocks or (0, 0)
-    status = lib.dsv41_index_select(N, D, Qr, Hi, Di, R, C, topk, Nb, Bs, torch.get_num_threads(), x.data_ptr(),
-                                    qr.data_ptr(), wq_b.data_ptr(), weights_proj.data_ptr(), scale, phases.data_ptr(),
-                                    key_rows.data_ptr(), visible.data_ptr(),
-                                    None if restrict is None else restrict.contiguous().data_ptr(),
-                                    None if keep is None else keep.data_ptr(), chosen.data_ptr())
+    status = lib.dsv41_index_select(N, D, Qr, Hi, Di, R, C, topk, Nb, Bs, torch.get_num_threads(),
+                                    *_pointers([x, qr, wq_b, weights_proj]), scale,
+                                    *_pointers([phases, key_rows, visible, restrict, keep, chosen]))
     return (chosen, keep) if status == 0 else None
