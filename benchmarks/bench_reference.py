@@ -16,7 +16,9 @@ medians of --repeats:
 - the machine's memory bandwidth (a large read, and a large copy), and what fast decode's weight reads
   would cost at it: the bytes a step must read (dense weights, the chosen experts, the head) over the
   read bandwidth, the floor (and over the copy figure, for comparison);
-- decode at batch 16 against batch 1 (aggregate tokens/s), fast and reference/invariant.
+- decode at batch 16 against batch 1 (aggregate tokens/s), fast and reference/invariant, and what
+  batch 16 could give at most: its memory floor, and its multiply-adds at the rate the native bf16
+  product of 16 rows reaches on warm weights.
 Ratios are printed against the reference measured in the same run.
 """
 
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv41.config import ModelConfig, RuntimeConfig   # noqa: E402
 from dsv41.model import Transformer                   # noqa: E402
+from dsv41.model import native                       # noqa: E402
 from dsv41.model.arena import huge_page_buffer, pack_weights   # noqa: E402
 from dsv41.model.init import init_random_             # noqa: E402
 from tools.reference_parity import copy_weights, default_dtype, import_reference, reference_args   # noqa: E402
@@ -116,6 +119,28 @@ def bandwidth_gb_s() -> tuple[float, float]:
     copy = min(timed(lambda: dst.copy_(src)) for _ in range(5))
     read = min(timed(lambda: src.sum()) for _ in range(5))
     return 2 * src.numel() * 4 / copy / 1e9, src.numel() * 4 / read / 1e9
+
+
+def multiply_add_rate(rows: int = BATCH) -> float | None:
+    """Multiply-adds per second the native bf16 product reaches on all threads with `rows` activation rows
+    against a weight the caches hold (256 × 1024, best of 5 × 200 calls): the most a batch step's
+    products get from this machine. None without the native library."""
+    w = (torch.randn(256, 1024, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)
+    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    if native.linear(x, w) is None:
+        return None
+    best = min(timed(lambda: [native.linear(x, w) for _ in range(200)]) for _ in range(5))
+    return 200 * rows * w.numel() / best
+
+
+def decode_multiply_adds(model: Transformer, rows: int) -> int:
+    """Multiply-adds a decode step of `rows` rows spends on weights at least: every weight but the
+    embedding and the routed experts once per row, and each row's n_activated_experts experts."""
+    dense = sum(p.numel() for name, p in model.named_parameters()
+                if not (name.startswith("embed.") or ".ffn.experts." in name) and p.dtype.is_floating_point)
+    expert = sum(w.weight[0].numel() * (2 if w.scale is not None else 1)           # fp4: two values a byte
+                 for block in model.layers for w in (block.ffn.experts.w1, block.ffn.experts.w2, block.ffn.experts.w3))
+    return rows * (dense + model.cfg.n_activated_experts * expert)
 
 
 def decode_weight_bytes(model: Transformer, experts: float | None = None) -> int:
@@ -229,7 +254,19 @@ def run(args: argparse.Namespace) -> None:
               f"its steps read {experts:.1f} of {cfg.n_routed_experts} experts a layer ({cfg.n_activated_experts} at "
               f"batch 1), {many / 1e6:.0f} MB against {one / 1e6:.0f}: at the memory floor batch {BATCH} gives at most "
               f"{BATCH * one / many:.2f}x")
-
+    rate = multiply_add_rate()
+    if rate is not None:
+        # bounds against batch 1 as measured: batch 16 steps no faster than its memory floor, nor than its
+        # products take at the rate this build's dot-product kernels reach on warm weights (AMX tiles
+        # multiply faster, but oneDNN's repack of each cold weight reads it at a third of the floor's rate)
+        one_ms, _, experts = batch_speedup(fast_model, args.prefill, args.decode)
+        macs = decode_multiply_adds(fast_model, BATCH)
+        compute_ms, memory_ms = macs / rate * 1e3, decode_weight_bytes(fast_model, experts) / read_gb_s / 1e6
+        print(f"compute: the native bf16 product of {BATCH} rows reaches {rate / 1e9:.1f} G multiply-adds/s here; a "
+              f"fast (bf16) batch-{BATCH} step needs {macs / 1e9:.2f} G at least, {compute_ms:.1f} ms at that rate, and "
+              f"reads its weights in {memory_ms:.1f} ms at the floor: against batch 1 as measured ({one_ms:.2f} ms), "
+              f"batch {BATCH} gives at most {BATCH * one_ms / memory_ms:.2f}x at the memory floor and "
+              f"{BATCH * one_ms / max(compute_ms, memory_ms):.2f}x with these kernels")
 
 if __name__ == "__main__":
     main()
