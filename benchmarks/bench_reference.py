@@ -137,7 +137,7 @@ def decode_multiply_adds(model: Transformer, rows: int) -> int:
     """Multiply-adds a decode step of `rows` rows spends on weights at least: every weight but the
     embedding and the routed experts once per row, and each row's n_activated_experts experts."""
     dense = sum(p.numel() for name, p in model.named_parameters()
-                if not (name.startswith("embed.") or ".ffn.experts." in name) and p.dtype.is_floating_point)
+                if not (name.startswith("embed.") or ".ffn.experts." in name))
     expert = sum(w.weight[0].numel() * (2 if w.scale is not None else 1)           # fp4: two values a byte
                  for block in model.layers for w in (block.ffn.experts.w1, block.ffn.experts.w2, block.ffn.experts.w3))
     return rows * (dense + model.cfg.n_activated_experts * expert)
@@ -246,9 +246,10 @@ def run(args: argparse.Namespace) -> None:
         print(f"memory: {read_gb_s:.1f} GB/s read, {copy_gb_s:.1f} GB/s copy (read + write); a {c.name} decode step "
               f"reads {need / 1e6:.1f} MB of weights, floor {at_read:.2f} ms at the read bandwidth "
               f"({at_copy:.2f} ms at the copy figure): it runs at {100 * at_read / ms:.0f}% of it ({100 * at_copy / ms:.0f}%)")
+    batches = {}
     for name, m in (("fast (bf16)", fast_model), ("fast (fp32)", fast32_model), ("fast (bf16, stored)", stored_model),
                     ("reference/invariant", model)):
-        one_ms, scale, experts = batch_speedup(m, args.prefill, args.decode)
+        one_ms, scale, experts = batches[name] = batch_speedup(m, args.prefill, args.decode)
         one, many = decode_weight_bytes(m), decode_weight_bytes(m, experts)
         print(f"{name} decode batch {BATCH}: {scale:.2f}x the tokens/s of batch 1 ({one_ms:.2f} ms per batch-1 step); "
               f"its steps read {experts:.1f} of {cfg.n_routed_experts} experts a layer ({cfg.n_activated_experts} at "
@@ -259,7 +260,7 @@ def run(args: argparse.Namespace) -> None:
         # bounds against batch 1 as measured: batch 16 steps no faster than its memory floor, nor than its
         # products take at the rate this build's dot-product kernels reach on warm weights (AMX tiles
         # multiply faster, but oneDNN's repack of each cold weight reads it at a third of the floor's rate)
-        one_ms, _, experts = batch_speedup(fast_model, args.prefill, args.decode)
+        one_ms, _, experts = batches["fast (bf16)"]
         macs = decode_multiply_adds(fast_model, BATCH)
         compute_ms, memory_ms = macs / rate * 1e3, decode_weight_bytes(fast_model, experts) / read_gb_s / 1e6
         print(f"compute: the native bf16 product of {BATCH} rows reaches {rate / 1e9:.1f} G multiply-adds/s here; a "
@@ -267,6 +268,7 @@ def run(args: argparse.Namespace) -> None:
               f"reads its weights in {memory_ms:.1f} ms at the floor: against batch 1 as measured ({one_ms:.2f} ms), "
               f"batch {BATCH} gives at most {BATCH * one_ms / memory_ms:.2f}x at the memory floor and "
               f"{BATCH * one_ms / max(compute_ms, memory_ms):.2f}x with these kernels")
+
 
 if __name__ == "__main__":
     main()
