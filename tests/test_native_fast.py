@@ -19,7 +19,8 @@ from dsv41.model import Transformer
 from dsv41.model import native
 from dsv41.model.init import init_random_
 from dsv41.model.moe import RoutedExperts
-from dsv41.model.numerics import HEAD_WIDEN_ROWS, NATIVE_AMX_ROWS, NATIVE_FP32_FROM, NATIVE_GEMV_ROWS, NATIVE_WIDE_ROWS, Numerics
+from dsv41.model.numerics import (HEAD_WIDEN_ROWS, NATIVE_EXPERT_PAIRS, NATIVE_FP32_FROM, NATIVE_GEMV_ROWS, NATIVE_WIDE_ROWS,
+                                  Numerics)
 
 import helpers
 from test_native import mutated_library
@@ -136,11 +137,9 @@ def test_the_policy_takes_the_native_product_for_few_rows_only(monkeypatch):
         monkeypatch.setattr(native, name, lambda *a, real=real, **k: calls.append(a[0].shape) or real(*a, **k))
     g = torch.Generator().manual_seed(6)
     w = torch.randn(48, 256, generator=g).to(torch.bfloat16)
-    # bf16 products run natively up to 32 rows where the build has AVX512-BF16 dot products (8 where
-    # torch's GEMM has AMX tiles), else 4
+    # bf16 products run natively up to 32 rows where the build has AVX512-BF16 dot products (past 4 rows
+    # on AMX tiles where it has them, N37), else 4
     most = NATIVE_WIDE_ROWS if native.wide_products(True) else NATIVE_GEMV_ROWS
-    if native.wide_products(True) and _cpu_has("amx_bf16") and torch.backends.mkldnn.is_available():
-        most = NATIVE_AMX_ROWS
     for rows in (1, most, most + 1):
         x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
         got = FAST_NATIVE.linear(x, w)
@@ -174,18 +173,14 @@ def test_the_policy_takes_the_native_product_for_few_rows_only(monkeypatch):
 
 
 def test_amx_products_are_found_from_the_cpu_flags():
-    expected = _cpu_has("amx_bf16", "amx_tile") and torch.backends.mkldnn.is_available()
-    assert native.amx_products() == expected
+    assert native.amx_products() == _cpu_has("amx_bf16", "amx_tile")
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_with_amx_tiles_more_than_a_few_bf16_rows_go_to_torch(amx, monkeypatch):
-    # where torch's bf16 GEMM runs on AMX tiles, the products and the shared expert of more than
-    # NATIVE_AMX_ROWS rows leave the dot products for it (N24); without them the dot products keep
-    # up to NATIVE_WIDE_ROWS rows
+def test_bf16_products_and_the_shared_expert_run_natively_to_their_row_limits(monkeypatch):
+    # a bf16 product of up to NATIVE_WIDE_ROWS rows and a shared expert of up to NATIVE_EXPERT_PAIRS take
+    # the native kernels (past 4 rows on AMX tiles where the build has them, N37); one row more does not
     if not native.wide_products(True):
         pytest.skip("this CPU builds gemv.c without AVX512-BF16 dot products")
-    monkeypatch.setattr(native, "_amx", lambda: amx)
     calls = []
     for name in ("gemv", "linear", "routed_experts"):
         real = getattr(native, name)
@@ -194,16 +189,15 @@ def test_with_amx_tiles_more_than_a_few_bf16_rows_go_to_torch(amx, monkeypatch):
     w = torch.randn(40, 64, generator=g).to(torch.bfloat16)
     w1, w3 = (torch.randn(24, 64, generator=g).to(torch.bfloat16) for _ in range(2))
     w2 = torch.randn(64, 24, generator=g).to(torch.bfloat16)
-    for rows in (NATIVE_AMX_ROWS, NATIVE_AMX_ROWS + 1):
+    for rows in (NATIVE_WIDE_ROWS, NATIVE_WIDE_ROWS + 1, NATIVE_EXPERT_PAIRS, NATIVE_EXPERT_PAIRS + 1):
         x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
         calls.clear()
         got = FAST_NATIVE.linear(x, w)
         exact = x.double() @ w.double().t()
         assert ((got.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + product_bound(x[None], w[None])[0]).all()
         shared = FAST_NATIVE.dense_swiglu(x, w1, w3, w2, 10.0)
-        native_here = rows <= NATIVE_AMX_ROWS or not amx
-        assert calls == (["linear", "routed_experts"] if native_here else [])
-        assert (shared is not None) == native_here
+        assert calls == ["linear"] * (rows <= NATIVE_WIDE_ROWS) + ["routed_experts"] * (rows <= NATIVE_EXPERT_PAIRS)
+        assert (shared is not None) == (rows <= NATIVE_EXPERT_PAIRS)
 
 
 def test_fast_bf16_holds_the_head_in_bf16_and_widens_it_as_it_reads_it(monkeypatch):
@@ -746,7 +740,7 @@ def test_a_shared_expert_that_overwrites_the_routed_sum_is_caught(tmp_path, monk
 def test_the_shared_expert_joins_the_routed_call_with_the_bits_of_two(dtype, monkeypatch):
     """MoE's routed sum and its shared expert in one native call (the shared expert as one more expert,
     added last): the bits of the routed call followed by the shared one accumulating into it, and one
-    call instead of two; rows past the AMX cut-off (bf16 there) or in another dtype keep two calls."""
+    call instead of two."""
     from dsv41.model.moe import MoE
     # the layer's own calls, as where the whole MoE does not fuse (N33; a gate temperature, EP, images)
     monkeypatch.setattr(native, "moe", lambda *a: None)
@@ -766,13 +760,11 @@ def test_the_shared_expert_joins_the_routed_call_with_the_bits_of_two(dtype, mon
     assert torch.equal(chosen, ids) and len(calls) == 1 and calls[0] is not None
     assert torch.equal(got, want)
     assert not torch.equal(got, moe.experts(flat, weights, ids).to(dtype).view_as(x))   # the shared part counts
-    monkeypatch.setattr(native, "amx_products", lambda: True)
-    many = x.repeat(1, 2, 1)                                                    # 10 rows
+    many = x.repeat(1, 2, 1)                                                    # 10 rows: one call still
     calls.clear()
     with torch.no_grad():
         moe.routed(many)
-    # bf16 on AMX: the routed call alone (the shared expert's 10 rows go to oneDNN); fp32: one call
-    assert [c is None for c in calls] == [dtype == torch.bfloat16]
+    assert len(calls) == 1 and calls[0] is not None
 
 
 @pytest.mark.parametrize("old, new", [

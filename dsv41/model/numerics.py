@@ -97,11 +97,6 @@ NATIVE_GEMV_ROWS = 4
 # rows a 512 × 512 bf16 weight takes 107 µs against oneDNN's 169, the 8192 × 512 fp32 head 2.2 ms
 # against MKL's 4.6; at 32 rows they are even on a 1536 × 512 weight.
 NATIVE_WIDE_ROWS = 32
-# Most rows of a bf16 product, and of a shared expert, that fast numerics' native kernels take where
-# torch's bf16 GEMM runs on AMX tiles (`native.amx_products`, N24): there oneDNN takes a 24-row
-# 1024 × 512 product in 48 µs against the dot products' 146, an 8-row one in 43 against 54 (in a
-# model, at 8 rows a decode step runs as fast either way).
-NATIVE_AMX_ROWS = 8
 # Fewest values of an fp32 weight fast numerics' native product takes: MKL's fp32 GEMV streams a
 # large weight at ~15 GB/s here (the 8192 × 512 head 719 µs, native 201 µs) and wins below ~1M values
 # (a 24 × 2048 mix projection 5.6 µs against 11 µs).
@@ -500,11 +495,9 @@ class Numerics:
 
     def _shared_rows(self, x: torch.Tensor, w1: torch.Tensor) -> bool:
         """Whether the native kernel takes the shared expert of x's rows: few of them, in the weight's
-        dtype, and (bf16) not more than AMX tiles outrun (N24); else the layer's torch products."""
+        dtype; else the layer's torch products."""
         rows = x.shape[:-1].numel()
-        if rows > NATIVE_EXPERT_PAIRS or x.dtype != w1.dtype or w1.requires_grad and torch.is_grad_enabled():
-            return False
-        return not (x.dtype == torch.bfloat16 and rows > NATIVE_AMX_ROWS and native.amx_products())
+        return rows <= NATIVE_EXPERT_PAIRS and x.dtype == w1.dtype and not (w1.requires_grad and torch.is_grad_enabled())
 
     def route(self, logits: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float, eps: float,
               bias_vl: torch.Tensor | None, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -526,7 +519,7 @@ class Numerics:
         `into` (fp32, x's rows): the rounded output is added to it in the call, in place (the layer's
         `into + out.float()`, the same bits), and returned. None where the policy leaves it to the layer."""
         if not self._shared_rows(x, w1):
-            return None                                     # many rows, or a prefill's on AMX tiles (N24)
+            return None                                     # a prefill's many rows, or autograd
         rows = x.shape[:-1].numel()
         flat = x.reshape(rows, -1)                                                  # 2-d banks: one expert
         if into is not None:
@@ -743,11 +736,9 @@ class Numerics:
     @staticmethod
     def _fast_product_rows(bf16: bool) -> int:
         """Most rows per weight of fast numerics' native product: `NATIVE_WIDE_ROWS` where the build
-        multiplies in wide tiles, but for bf16 only `NATIVE_AMX_ROWS` where torch's GEMM has AMX tiles
-        (N24); `NATIVE_GEMV_ROWS` without wide tiles."""
-        if not native.wide_products(bf16):
-            return NATIVE_GEMV_ROWS
-        return NATIVE_AMX_ROWS if bf16 and native.amx_products() else NATIVE_WIDE_ROWS
+        multiplies in wide tiles (bf16 past a few rows on AMX tiles where it has them, N37),
+        `NATIVE_GEMV_ROWS` without."""
+        return NATIVE_WIDE_ROWS if native.wide_products(bf16) else NATIVE_GEMV_ROWS
 
     def activation_einsum(self, equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """`einsum` of two activations (no weight), which the CPU kernels compute from fp32 copies."""

@@ -17,7 +17,9 @@ indexer's `fp4_qdq_e8m0`, each with formats.py's values.
 `gemv.c` multiplies a few rows by a bf16 or fp32 weight in one pass over it (`gemv`): fast numerics'
 fp32 sums in its own order, where torch's bf16 GEMM (oneDNN) costs ~20–40 µs per call beyond reading
 the weight, or (`exact`) the invariant kernels' float64 product without a float64 copy of the weight.
-It also runs fast numerics' routed experts of a few tokens in one call (`routed_experts`).
+It also runs fast numerics' routed experts of a few tokens in one call (`routed_experts`). Where the CPU
+has AMX tiles, both multiply bf16 of more than a few rows on them (`amx.c`: the weight read in place as
+the tiles' A operand, the activations packed once per call; N37).
 `mixes.c` computes the hyper-connection mixes with Sinkhorn (`split_mixes`) with the bits of the
 reference-order torch path, in one call instead of ~90 torch operations. `topk.c` takes topk.py's
 top-k (ties to the lower index) in one call instead of its keys' ~10 operations, and fast numerics'
@@ -56,7 +58,7 @@ import torch
 from .. import formats
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("blockgemm.c", "quantize.c", "gemv.c", "mixes.c", "rope.c", "topk.c", "attention.c",
+                for name in ("blockgemm.c", "quantize.c", "gemv.c", "amx.c", "mixes.c", "rope.c", "topk.c", "attention.c",
                              "norm.c", "indexer.c", "engram.c", "sublayers.c", "compressed.c"))
 # Included by the sources (bf16 ⇄ fp32, a thread's share of a loop, the kernels one source calls from
 # another): part of the library's key, found in
@@ -174,8 +176,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_vector_blocks.argtypes = []
     lib.dsv41_gemv_wide.restype = ctypes.c_int
     lib.dsv41_gemv_wide.argtypes = [ctypes.c_int]
-    lib.dsv41_amx_bf16.restype = ctypes.c_int
-    lib.dsv41_amx_bf16.argtypes = []
+    lib.dsv41_amx_ready.restype = ctypes.c_int
+    lib.dsv41_amx_ready.argtypes = []
     lib.dsv41_index_scores.restype = ctypes.c_int
     lib.dsv41_index_scores.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
     experts = lib.dsv41_routed_experts
@@ -246,15 +248,15 @@ def _wide(bf16: bool) -> bool:
 
 
 def amx_products() -> bool:
-    """Whether torch's bf16 GEMM multiplies in AMX tiles on this machine: this build targets a CPU with
-    AMX-BF16 and torch has oneDNN, which takes them. Then it outruns `gemv`'s dot products past
-    `numerics.NATIVE_AMX_ROWS` rows (N24). False while tracing, like every wrapper."""
+    """Whether `gemv`'s bf16 products of more than a few rows, and routed experts' groups of more than a
+    few rows, multiply on AMX tiles (amx.c, docs/NUMERICS.md N37): this build targets a CPU with AMX-BF16
+    and the process may use its tiles. False while tracing, like every wrapper."""
     return _library() is not None and _amx()
 
 
 @functools.lru_cache(maxsize=None)
 def _amx() -> bool:
-    return bool(_loaded().dsv41_amx_bf16()) and torch.backends.mkldnn.is_available()
+    return bool(_loaded().dsv41_amx_ready())
 
 
 def available() -> bool:

@@ -22,12 +22,16 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #include "span.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #define MAX_ROWS 8
+/* Most activation rows of a bf16 product that take the dot products where AMX tiles are there (N37):
+ * past them the tiles, whose cost barely grows with the rows (the dot products' grows with each). */
+#define AMX_FROM_ROWS 4
 
 typedef struct {
     int64_t P, M, N, K;
@@ -302,16 +306,6 @@ int dsv41_gemv_wide(int bf16) {
     return 0;
 }
 
-/* 1 where this build targets a CPU with AMX bf16 tiles (N24): there torch's oneDNN GEMM multiplies bf16
- * in them, and from about 8 rows it outruns the dot products above. */
-int dsv41_amx_bf16(void) {
-#if defined(__AMX_BF16__)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 /* `row_dot` with every product exact in double and the sum in double (one rounding to fp32 after). */
 static void row_dot_exact(const double *x, int64_t M, int64_t K, const void *w, int w_bf16, float *acc) {
     double sum[MAX_ROWS];
@@ -400,6 +394,50 @@ static void run_rows(const Gemv *g, int64_t p, int64_t n0, int64_t n1) {
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* bf16 operands of more than AMX_FROM_ROWS rows on AMX tiles (amx.c, N37): each pair's activations packed
+ * once, then tiles of AMX_ROWS output rows split over the threads. A tile's weight rows are read in place
+ * where they are whole (AMX_ROWS rows, K a multiple of 32), else copied first into a zero-padded
+ * scratch. Returns 0, or -1 (an allocation failed; `out` untouched). */
+static int run_amx(const Gemv *g, const uint16_t *x, int64_t x_sp, int64_t x_sm, int threads) {
+    const int64_t Kp = AMX_PADDED(g->K), blocks = AMX_BLOCKS(g->M), tiles = AMX_BLOCKS(g->N);
+    const int64_t packed = blocks * Kp * AMX_ROWS;                     /* uint16 values per pair */
+    uint16_t *b = malloc((size_t)(g->P * packed) * sizeof(uint16_t));
+    uint16_t *scratch = calloc((size_t)(threads * AMX_ROWS * Kp), sizeof(uint16_t));
+    float *c = malloc((size_t)(threads * blocks * AMX_ROWS * AMX_ROWS) * sizeof(float));
+    if (b == NULL || scratch == NULL || c == NULL) {
+        free(b); free(scratch); free(c);
+        return -1;
+    }
+    for (int64_t p = 0; p < g->P; p++) dsv41_amx_pack(g->M, g->K, x + p * x_sp, x_sm, b + p * packed);
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const Span span = thread_span(g->P * tiles);
+        uint16_t *mine = scratch + span.index * AMX_ROWS * Kp;
+        float *sums = c + span.index * blocks * AMX_ROWS * AMX_ROWS;
+        dsv41_amx_begin();
+        for (int64_t r = span.begin; r < span.end; r++) {
+            const int64_t p = r / tiles, n0 = (r % tiles) * AMX_ROWS;
+            const int64_t rows = g->N - n0 < AMX_ROWS ? g->N - n0 : AMX_ROWS;
+            const uint16_t *w = (const uint16_t *)g->w + p * g->w_sp + n0 * g->w_sn;
+            int64_t stride = g->w_sn;
+            if (rows < AMX_ROWS || g->K != Kp) {
+                for (int64_t i = 0; i < rows; i++) memcpy(mine + i * Kp, w + i * g->w_sn, (size_t)g->K * sizeof(uint16_t));
+                w = mine;
+                stride = Kp;
+            }
+            dsv41_amx_tile(w, stride, Kp, b + p * packed, blocks, sums);
+            for (int64_t m = 0; m < g->M; m++)
+                for (int64_t i = 0; i < rows; i++)
+                    put(g, p, m, n0 + i, sums[((m / AMX_ROWS) * AMX_ROWS + i) * AMX_ROWS + m % AMX_ROWS]);
+        }
+        dsv41_amx_end();
+    }
+    free(b); free(scratch); free(c);
+    return 0;
+}
+#endif
+
 /* Rows of every pair split into `threads` equal spans of the P·N output rows. Returns 0, or -1 when
  * the shape is outside what this kernel takes (the caller then uses torch). */
 int dsv41_gemv(int64_t P, int64_t M, int64_t N, int64_t K, int x_bf16, int w_bf16, int out_bf16, int exact,
@@ -410,6 +448,12 @@ int dsv41_gemv(int64_t P, int64_t M, int64_t N, int64_t K, int x_bf16, int w_bf1
     const int dot = x_bf16 && w_bf16 && !exact;
 #else
     const int dot = 0;
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (dot && M > AMX_FROM_ROWS && dsv41_amx_ready()) {
+        Gemv g = {P, M, N, K, w_bf16, out_bf16, exact, NULL, w, w_sp, w_sn, out, o_sp, o_sm};
+        return run_amx(&g, (const uint16_t *)x, x_sp, x_sm, threads);
+    }
 #endif
     /* the activations gathered once into one contiguous copy (P·M·K values: a few KB): bf16 as they are
      * for the dot products, else widened to fp32 or double */
@@ -656,7 +700,10 @@ void dsv41_fp4_rows(int64_t rows, int64_t K, int bf16, int threads, const uint8_
  * (N30). s1, s3 [I, D] and s2 [D, I] (NULL: none): the shared expert, in the
  * banks' dtype, as one more expert after the last: every token through it at weight 1, its output added
  * after the token's routed ones (moe.py's `y + shared`, the same bits as a second call accumulating).
- * Pairs of one expert run together, up to MAX_ROWS at a time, so each chosen expert's weights are read once.
+ * Pairs of one expert run together, up to MAX_ROWS at a time, so each chosen expert's weights are read once;
+ * with bf16 operands and AMX tiles (N37), a group of more than AMX_FROM_ROWS rows (up to 4 · AMX_ROWS)
+ * multiplies on the tiles, a smaller one by the dot products: a pair's bits then depend on how many rows
+ * its expert has in the call, whether past AMX_FROM_ROWS or not, and on nothing else.
  * Returns 0, or -1 (an id of E or more, or an allocation failed; `out` untouched).
  */
 /* Rows j0 … j0 + TILE − 1 (those below `rows`) of one expert's weight `w` [rows, K] against the m ≤ MAX_ROWS
@@ -780,6 +827,41 @@ static inline void bank_tile(int dot, const void *xs, int64_t m, int64_t K, cons
         stored_tile(dot, xs, m, K, (const uint8_t *)w, c, e, rows, j0, w_bf16, scratch, acc);
 }
 
+/* Whether an expert's group of m rows multiplies on AMX tiles (`amx`: the call's operands are bf16 and
+ * the tiles are there; N37): past AMX_FROM_ROWS rows, where the dot products' cost grows with the rows. */
+static inline int amx_group(int amx, int64_t m) {
+    return amx && m > AMX_FROM_ROWS;
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* `bank_tile` on AMX tiles (N37): AMX_ROWS rows of expert e's bf16 matrix (`rows` × K, from row j0) against
+ * its group's packed activation blocks bx → sums [blocks, AMX_ROWS, AMX_ROWS]. A held matrix's whole
+ * tile is read in place; a stored one's rows are decoded into `scratch` first (the held bank's values,
+ * so the held bank's bits), as is a partial tile or a K that is not a multiple of 32 (zero-padded). */
+static void amx_bank_tile(const uint16_t *bx, int64_t blocks, int64_t K, const void *w, const void *s,
+                          const uint8_t *c, int64_t e, int64_t E, int64_t rows, int64_t j0, uint16_t *scratch,
+                          float *sums) {
+    const int64_t Kp = AMX_PADDED(K), n = rows - j0 < AMX_ROWS ? rows - j0 : AMX_ROWS;
+    const uint16_t *a = scratch;
+    if (c != NULL && e != E) {
+        fp4_rows(n, K, 1, (const uint8_t *)w + (e * rows + j0) * (K / 2), c + (e * rows + j0) * (K / 32), scratch);
+    } else {
+        const uint16_t *m = (const uint16_t *)expert_weight(w, s, e, E, rows * K, 2) + j0 * K;
+        if (n == AMX_ROWS && K == Kp) a = m;
+        else for (int64_t i = 0; i < n; i++) memcpy(scratch + i * Kp, m + i * K, (size_t)K * sizeof(uint16_t));
+    }
+    dsv41_amx_tile(a, Kp, Kp, bx, blocks, sums);
+}
+
+/* sums [blocks, AMX_ROWS, AMX_ROWS] of an `amx_bank_tile` → rows j0 … of the m pairs' outputs at p0
+ * (row width `width`), rounded as the bank's products are. */
+static void amx_put(const float *sums, int64_t m, int64_t p0, int64_t j0, int64_t width, int w_bf16, float *out) {
+    for (int64_t k = 0; k < m; k++)
+        for (int64_t j = 0; j < AMX_ROWS && j0 + j < width; j++)
+            out[(p0 + k) * width + j0 + j] = round_to(sums[((k / AMX_ROWS) * AMX_ROWS + j) * AMX_ROWS + k % AMX_ROWS], w_bf16);
+}
+#endif
+
 int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, int w_bf16, int x_bf16, float limit, int threads,
                          const void *x, const int64_t *ids, const float *weights,
                          const void *w1, const void *w3, const void *w2, const void *s1, const void *s3,
@@ -794,7 +876,14 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
 #else
     const int dot = 0;
 #endif
-    const size_t ww = w_bf16 ? 2 : 4, xw = dot ? 2 : 4;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    const int amx = dot && dsv41_amx_ready();
+#else
+    const int amx = 0;
+#endif
+    /* rows a group takes at most: on the tiles 4 blocks of AMX_ROWS (amx.c's C tiles) */
+    const int64_t cap = amx ? 4 * AMX_ROWS : MAX_ROWS, unit = amx ? AMX_ROWS : TILE;
+    const size_t xw = dot ? 2 : 4;
     int64_t *pair = malloc((size_t)pairs_max * 2 * sizeof(int64_t));     /* sorted (expert, token) */
     int64_t *group = malloc((size_t)(pairs_max + 1) * sizeof(int64_t));  /* first pair of each group */
     float *gate = malloc((size_t)(pairs_max * (2 * I + D) + 1) * sizeof(float));
@@ -827,8 +916,30 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
     }
     int64_t G = 0;
     for (int64_t p = 0; p < P; p++)
-        if (p == 0 || pair[2 * p] != pair[2 * (p - 1)] || p - group[G - 1] == MAX_ROWS) group[G++] = p;
+        if (p == 0 || pair[2 * p] != pair[2 * (p - 1)] || p - group[G - 1] == cap) group[G++] = p;
     group[G] = P;
+    /* the AMX groups' packed activation blocks (x for gate and up, then h for down), each group's from
+     * block `first[g]` on, and one scratch tile per thread */
+    int64_t *first = malloc((size_t)(G + 1) * sizeof(int64_t));
+    if (first == NULL) {
+        free(pair); free(group); free(gate); free(xg); free(scratch);
+        return -1;
+    }
+    first[0] = 0;
+    for (int64_t g = 0; g < G; g++) first[g + 1] = first[g] + (amx_group(amx, group[g + 1] - group[g]) ? AMX_BLOCKS(group[g + 1] - group[g]) : 0);
+    const int64_t Dp = AMX_PADDED(D), Ip = AMX_PADDED(I), Wp = Dp > Ip ? Dp : Ip;
+    uint16_t *bx = NULL, *bh = NULL, *tiles = NULL;
+    float *sums = NULL;
+    if (first[G] > 0) {
+        bx = malloc((size_t)(first[G] * Dp * AMX_ROWS) * sizeof(uint16_t));
+        bh = malloc((size_t)(first[G] * Ip * AMX_ROWS) * sizeof(uint16_t));
+        tiles = calloc((size_t)(threads * AMX_ROWS * Wp), sizeof(uint16_t));
+        sums = malloc((size_t)(threads * 4 * AMX_ROWS * AMX_ROWS) * sizeof(float));
+        if (bx == NULL || bh == NULL || tiles == NULL || sums == NULL) {
+            free(pair); free(group); free(gate); free(xg); free(scratch); free(first); free(bx); free(bh); free(tiles); free(sums);
+            return -1;
+        }
+    }
     float *up = gate + P * I, *y = up + P * I;
     char *hg = (char *)xg + (size_t)(P * D) * xw;
     for (int64_t p = 0; p < P; p++) {
@@ -836,21 +947,44 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
         if (dot) memcpy((uint16_t *)xg + p * D, (const uint16_t *)x + t * D, (size_t)D * 2);
         else for (int64_t d = 0; d < D; d++) ((float *)xg)[p * D + d] = value_at(x, x_bf16, t * D + d);
     }
-    const int64_t I_tiles = (I + TILE - 1) / TILE, D_tiles = (D + TILE - 1) / TILE;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    for (int64_t g = 0; g < G; g++)
+        if (first[g + 1] > first[g])
+            dsv41_amx_pack(group[g + 1] - group[g], D, (const uint16_t *)xg + group[g] * D, D, bx + first[g] * Dp * AMX_ROWS);
+#endif
+    const int64_t I_units = (I + unit - 1) / unit, D_units = (D + unit - 1) / unit;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float acc[MAX_ROWS][TILE];
-        void *tile = scratch != NULL ? scratch + (size_t)(thread_span(0).index * TILE * widest) * sizeof(float) : NULL;
+        const int index = thread_span(0).index;
+        void *tile = scratch != NULL ? scratch + (size_t)(index * TILE * widest) * sizeof(float) : NULL;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        uint16_t *mine = tiles != NULL ? tiles + index * AMX_ROWS * Wp : NULL;
+        float *own = sums != NULL ? sums + index * 4 * AMX_ROWS * AMX_ROWS : NULL;
+        if (amx) dsv41_amx_begin();
+#endif
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < G * I_tiles; r++) {          /* gate and up: TILE rows of w1 and w3 */
-            const int64_t g = r / I_tiles, i0 = (r % I_tiles) * TILE, p0 = group[g], m = group[g + 1] - p0, e = pair[2 * p0];
+        for (int64_t r = 0; r < G * I_units; r++) {          /* gate and up: `unit` rows of w1 and w3 */
+            const int64_t g = r / I_units, i1 = (r % I_units) * unit, p0 = group[g], m = group[g + 1] - p0, e = pair[2 * p0];
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+            if (first[g + 1] > first[g]) {
+                const uint16_t *b = bx + first[g] * Dp * AMX_ROWS;
+                amx_bank_tile(b, first[g + 1] - first[g], D, w1, s1, c1, e, E, I, i1, mine, own);
+                amx_put(own, m, p0, i1, I, w_bf16, gate);
+                amx_bank_tile(b, first[g + 1] - first[g], D, w3, s3, c3, e, E, I, i1, mine, own);
+                amx_put(own, m, p0, i1, I, w_bf16, up);
+                continue;
+            }
+#endif
             const void *xs = (const char *)xg + (size_t)(p0 * D) * xw;
-            bank_tile(dot, xs, m, D, w1, s1, c1, e, E, I, i0, w_bf16, tile, acc);
-            for (int64_t k = 0; k < m; k++)
-                for (int64_t j = 0; j < TILE && i0 + j < I; j++) gate[(p0 + k) * I + i0 + j] = round_to(acc[k][j], w_bf16);
-            bank_tile(dot, xs, m, D, w3, s3, c3, e, E, I, i0, w_bf16, tile, acc);
-            for (int64_t k = 0; k < m; k++)
-                for (int64_t j = 0; j < TILE && i0 + j < I; j++) up[(p0 + k) * I + i0 + j] = round_to(acc[k][j], w_bf16);
+            for (int64_t i0 = i1; i0 < i1 + unit && i0 < I; i0 += TILE) {
+                bank_tile(dot, xs, m, D, w1, s1, c1, e, E, I, i0, w_bf16, tile, acc);
+                for (int64_t k = 0; k < m; k++)
+                    for (int64_t j = 0; j < TILE && i0 + j < I; j++) gate[(p0 + k) * I + i0 + j] = round_to(acc[k][j], w_bf16);
+                bank_tile(dot, xs, m, D, w3, s3, c3, e, E, I, i0, w_bf16, tile, acc);
+                for (int64_t k = 0; k < m; k++)
+                    for (int64_t j = 0; j < TILE && i0 + j < I; j++) up[(p0 + k) * I + i0 + j] = round_to(acc[k][j], w_bf16);
+            }
         }
         #pragma omp for schedule(static)
         for (int64_t q = 0; q < P * I; q++) {                /* h = SwiGLU · routing weight, rounded */
@@ -865,13 +999,31 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
             if (dot) ((uint16_t *)hg)[q] = float_to_bf16(h);
             else ((float *)hg)[q] = h;
         }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < G * D_tiles; r++) {          /* down: TILE rows of w2 */
-            const int64_t g = r / D_tiles, d0 = (r % D_tiles) * TILE, p0 = group[g], m = group[g + 1] - p0, e = pair[2 * p0];
-            bank_tile(dot, hg + (size_t)(p0 * I) * xw, m, I, w2, s2, c2, e, E, D, d0, w_bf16, tile, acc);
-            for (int64_t k = 0; k < m; k++)
-                for (int64_t j = 0; j < TILE && d0 + j < D; j++) y[(p0 + k) * D + d0 + j] = round_to(acc[k][j], w_bf16);
+        for (int64_t g = 0; g < G; g++)
+            if (first[g + 1] > first[g])
+                dsv41_amx_pack(group[g + 1] - group[g], I, (const uint16_t *)hg + group[g] * I, I, bh + first[g] * Ip * AMX_ROWS);
+#endif
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < G * D_units; r++) {          /* down: `unit` rows of w2 */
+            const int64_t g = r / D_units, d1 = (r % D_units) * unit, p0 = group[g], m = group[g + 1] - p0, e = pair[2 * p0];
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+            if (first[g + 1] > first[g]) {
+                amx_bank_tile(bh + first[g] * Ip * AMX_ROWS, first[g + 1] - first[g], I, w2, s2, c2, e, E, D, d1, mine, own);
+                amx_put(own, m, p0, d1, D, w_bf16, y);
+                continue;
+            }
+#endif
+            for (int64_t d0 = d1; d0 < d1 + unit && d0 < D; d0 += TILE) {
+                bank_tile(dot, hg + (size_t)(p0 * I) * xw, m, I, w2, s2, c2, e, E, D, d0, w_bf16, tile, acc);
+                for (int64_t k = 0; k < m; k++)
+                    for (int64_t j = 0; j < TILE && d0 + j < D; j++) y[(p0 + k) * D + d0 + j] = round_to(acc[k][j], w_bf16);
+            }
         }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (amx) dsv41_amx_end();
+#endif
         #pragma omp for schedule(static)
         for (int64_t d = 0; d < D; d++) {                    /* Σ per token, experts ascending */
             if (!accumulate)
@@ -879,6 +1031,6 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
             for (int64_t p = 0; p < P; p++) out[pair_token(pair[2 * p + 1], A) * D + d] += y[p * D + d];
         }
     }
-    free(pair); free(group); free(gate); free(xg); free(scratch);
+    free(pair); free(group); free(gate); free(xg); free(scratch); free(first); free(bx); free(bh); free(tiles); free(sums);
     return 0;
 }

@@ -32,6 +32,23 @@ int dsv41_hc_enter(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, 
 void dsv41_hc_expand(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
                      const float *post, const float *comb, void *out);
 
+/* amx.c: bf16 products on AMX tiles (N37). Weight rows per tile and activation rows per packed block. */
+#define AMX_ROWS 16
+#define AMX_PADDED(K) (((K) + 31) / 32 * 32)
+#define AMX_BLOCKS(M) (((M) + AMX_ROWS - 1) / AMX_ROWS)
+/* 1 where this build has AMX bf16 tiles and the kernel may use them (the process asked for their state
+ * once); 0 otherwise, and then no other amx function may be called. */
+int dsv41_amx_ready(void);
+/* The calling thread's tile configuration, before its first `dsv41_amx_tile`; its tiles released after. */
+void dsv41_amx_begin(void);
+void dsv41_amx_end(void);
+/* x [M, K] (row stride x_stride) packed into B blocks b [AMX_BLOCKS(M), Kp / 2, AMX_ROWS, 2], zeros
+ * past M rows and K values. */
+void dsv41_amx_pack(int64_t M, int64_t K, const uint16_t *x, int64_t x_stride, uint16_t *b);
+/* AMX_ROWS weight rows w (row stride w_stride, Kp readable values each) against `blocks` packed blocks:
+ * c [blocks, AMX_ROWS weight rows, AMX_ROWS activation rows] fp32. */
+void dsv41_amx_tile(const uint16_t *w, int64_t w_stride, int64_t Kp, const uint16_t *b, int64_t blocks, float *c);
+
 /* One bf16 product of N rows: out [N, rows] = x [N, K] · w [rows, K]ᵀ (Linear.forward's). */
 static inline int bf16_product(int64_t N, int64_t rows, int64_t K, int threads, const uint16_t *x,
                                const uint16_t *w, uint16_t *out) {

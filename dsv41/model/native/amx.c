@@ -1,0 +1,122 @@
+/* bf16 products on AMX tiles (docs/NUMERICS.md N37), for `gemv.c`'s dense products and routed experts
+ * of more than a few rows.
+ *
+ * out[m, n] = Σ_k x[m, k] · w[n, k] as Cᵀ = W · Xᵀ: a row-major weight is already a tile's A operand
+ * (16 weight rows × 32 values, read in place at the weight's row stride), and the activation rows are
+ * packed once per call into B (`dsv41_amx_pack`: pairs of values of 16 rows side by side, the layout
+ * tdpbf16ps takes). oneDNN instead repacks each weight on every call, which reads a cold decode-step
+ * weight at a third of the memory's rate; here the weight is read once, as it lies.
+ *
+ * Each output element is its own dot product in the tile unit: its bits depend on its weight row, its
+ * activation row and K, not on how many other rows share the tiles. The unit's own order of summation
+ * is not a sequence of fp32 multiply-adds (N37), so these are fast numerics' bits only.
+ *
+ * Shapes: M activation rows (B columns, 16 a block), N weight rows (A rows, 16 a tile), K values,
+ * Kp = K rounded up to 32 (the K tail packs as zeros, which add nothing).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux hands a process the tile registers' state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA): without it the first tile instruction faults. */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+int dsv41_amx_ready(void) {
+    /* the answer never changes within a process: asked once (the request is idempotent, so two
+     * threads asking at once get the same answer) */
+    static int answer;
+    int known = __atomic_load_n(&answer, __ATOMIC_ACQUIRE);
+    if (known == 0) {
+        known = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&answer, known, __ATOMIC_RELEASE);
+    }
+    return known > 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+void dsv41_amx_begin(void) {
+    /* every tile 16 rows of 64 bytes: C 16 × 16 fp32, A 16 rows × 32 bf16, B 16 pairs × 16 columns */
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = AMX_ROWS;
+        config.colsb[t] = 64;
+    }
+    /* GCC 12 does not see ldtilecfg read the struct and drops the stores above it without this */
+    __asm__ volatile("" : : "r"(&config) : "memory");
+    _tile_loadconfig(&config);
+}
+
+void dsv41_amx_end(void) {
+    _tile_release();
+}
+
+void dsv41_amx_pack(int64_t M, int64_t K, const uint16_t *x, int64_t x_stride, uint16_t *b) {
+    const int64_t Kp = AMX_PADDED(K), blocks = AMX_BLOCKS(M);
+    for (int64_t c = 0; c < blocks; c++)
+        for (int64_t q = 0; q < Kp / 2; q++) {
+            uint16_t *row = b + (c * (Kp / 2) + q) * 2 * AMX_ROWS;
+            for (int64_t n = 0; n < AMX_ROWS; n++) {
+                const int64_t m = c * AMX_ROWS + n;
+                for (int64_t j = 0; j < 2; j++)
+                    row[2 * n + j] = m < M && 2 * q + j < K ? x[m * x_stride + 2 * q + j] : 0;
+            }
+        }
+}
+
+/* C tiles 0 … count − 1 over B blocks c0, c0 + 1 …, A (tile 4) and B (5) loaded per 32 values of K. No
+ * software prefetch: the hardware's alone read a cold 1024 × 1024 weight at 16 rows in 122 µs; asking
+ * for the next tile's lines (into L1 or L2), or for this tile's further on, took 137–178 (N37). */
+#define AMX_PASS(count)                                                                                    \
+    do {                                                                                                   \
+        for (int t = 0; t < (count); t++) switch (t) {                                                     \
+            case 0: _tile_zero(0); break;                                                                  \
+            case 1: _tile_zero(1); break;                                                                  \
+            case 2: _tile_zero(2); break;                                                                  \
+            default: _tile_zero(3); break;                                                                 \
+        }                                                                                                  \
+        for (int64_t k = 0; k < Kp; k += 32) {                                                             \
+            _tile_loadd(4, w + k, w_stride * 2);                                                          \
+            const uint16_t *bk = b + (c0 * (Kp / 2) + k / 2) * 2 * AMX_ROWS;                              \
+            _tile_loadd(5, bk, 64);                                                                        \
+            _tile_dpbf16ps(0, 4, 5);                                                                       \
+            if ((count) > 1) { _tile_loadd(5, bk + Kp * AMX_ROWS, 64); _tile_dpbf16ps(1, 4, 5); }         \
+            if ((count) > 2) { _tile_loadd(5, bk + 2 * Kp * AMX_ROWS, 64); _tile_dpbf16ps(2, 4, 5); }     \
+            if ((count) > 3) { _tile_loadd(5, bk + 3 * Kp * AMX_ROWS, 64); _tile_dpbf16ps(3, 4, 5); }     \
+        }                                                                                                  \
+        float *at = c + c0 * AMX_ROWS * AMX_ROWS;                                                          \
+        _tile_stored(0, at, 64);                                                                           \
+        if ((count) > 1) _tile_stored(1, at + AMX_ROWS * AMX_ROWS, 64);                                    \
+        if ((count) > 2) _tile_stored(2, at + 2 * AMX_ROWS * AMX_ROWS, 64);                                \
+        if ((count) > 3) _tile_stored(3, at + 3 * AMX_ROWS * AMX_ROWS, 64);                                \
+    } while (0)
+
+void dsv41_amx_tile(const uint16_t *w, int64_t w_stride, int64_t Kp, const uint16_t *b, int64_t blocks, float *c) {
+    for (int64_t c0 = 0; c0 < blocks; c0 += 4) {
+        switch (blocks - c0) {
+            case 1: AMX_PASS(1); break;
+            case 2: AMX_PASS(2); break;
+            case 3: AMX_PASS(3); break;
+            default: AMX_PASS(4); break;
+        }
+    }
+}
+#else
+int dsv41_amx_ready(void) {
+    return 0;
+}
+#endif

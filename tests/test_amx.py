@@ -1,0 +1,97 @@
+"""bf16 products on AMX tiles (dsv41/model/native/amx.c, docs/NUMERICS.md N37) against formulas.
+
+Past 4 activation rows, `gemv`'s bf16 products and a routed expert's group of rows multiply on the tiles.
+Expected: the float64 product within fp32's error bound plus the bf16 rounding of the result, the
+routed experts' SwiGLU mixture within bf16's, and the property the tiles give: each output's bits
+depend on its own weight row, activation row and K, not on the rows beside it (a row placed among 5 or
+among 70 others gives the same fp32 sum; a token's experts give the same output whether each has 6
+rows or 12). A kernel that packs the activations' pairs in the wrong order must fail the same checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41.model import native
+
+from test_native import mutated_library
+from test_native_fast import experts_formula, product_bound
+
+pytestmark = pytest.mark.skipif(not (native.available() and native.amx_products()),
+                                reason="no AMX bf16 tiles on this CPU: the dot products and torch take these rows")
+
+# (rows N, K): whole tiles read in place, a partial last tile, and K tails of 1 and 8 values past 32
+SHAPES = [(48, 256), (17, 33), (40, 40), (100, 1000)]
+
+
+def fp32_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(1, x.shape[0], w.shape[0], dtype=torch.float32)
+    assert native.gemv(x[None], w[None], out)
+    return out[0]
+
+
+def check_products() -> None:
+    g = torch.Generator().manual_seed(37)
+    for N, K in SHAPES:
+        w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+        rows = torch.randn(70, K, generator=g).to(torch.bfloat16)
+        for M in (5, 16, 17, 70):
+            x = rows[:M]
+            got = fp32_product(x, w)
+            exact = x.double() @ w.double().t()
+            assert ((got.double() - exact).abs() <= product_bound(x[None], w[None])[0]).all(), (N, K, M)
+            # the bf16 product is the fp32 one rounded once
+            assert torch.equal(native.linear(x, w), got.to(torch.bfloat16)), (N, K, M)
+        # row 0 of a 5-row product placed as row 37 of a 70-row one: the same fp32 bits
+        among = torch.cat([rows[5:42], rows[:1], rows[42:]])
+        assert torch.equal(fp32_product(among, w)[37], fp32_product(rows[:5], w)[0]), (N, K)
+
+
+def test_amx_products_are_the_product_and_each_rows_bits_stand_alone():
+    check_products()
+
+
+def test_amx_products_read_strided_pairs_in_place():
+    g = torch.Generator().manual_seed(38)
+    x = torch.randn(9, 3, 64, generator=g).to(torch.bfloat16).transpose(0, 1)        # [P, M, K], strided
+    w = torch.randn(3, 30, 80, generator=g).to(torch.bfloat16)[:, :, :64]            # row stride 80
+    out = torch.zeros(9, 3, 30, dtype=torch.float32).transpose(0, 1)
+    assert native.gemv(x, w, out)
+    exact = torch.einsum("pmk,pnk->pmn", x.double(), w.double())
+    assert ((out.double() - exact).abs() <= product_bound(x, w)).all()
+
+
+def expert_rows(n: int, E: int, D: int, I: int, seed: int):
+    """n tokens on 3 of E experts each, every expert on 3n/E rows (more than the dot products take)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[t % E, (t + 1) % E, (t + 3) % E] for t in range(n)])
+    weights = torch.rand(n, 3, generator=g)
+    w1, w3 = (torch.randn(E, I, D, generator=g).div(D ** 0.5).mul(4).to(torch.bfloat16) for _ in range(2))
+    w2 = torch.randn(E, D, I, generator=g).div(I ** 0.5).to(torch.bfloat16)
+    return x, ids, weights, w1, w3, w2
+
+
+def check_experts() -> None:
+    x, ids, weights, w1, w3, w2 = expert_rows(32, 8, 64, 40, seed=39)              # 12 rows an expert
+    out = native.routed_experts(x, ids, weights, w1, w3, w2, 2.0)
+    expect = experts_formula(x, ids, weights, w1, w3, w2, 2.0, True)
+    assert torch.allclose(out.double(), expect, rtol=2 ** -7, atol=2 ** -7 * expect.abs().max().item())
+    # the first 16 tokens alone: 6 rows an expert, the same bits
+    half = native.routed_experts(x[:16], ids[:16], weights[:16], w1, w3, w2, 2.0)
+    assert torch.equal(half, out[:16])
+
+
+def test_amx_expert_groups_are_the_swiglu_mixture_whatever_their_size():
+    check_experts()
+
+
+@pytest.mark.parametrize("old, new", [("row[2 * n + j] =", "row[2 * n + 1 - j] =")])   # a pair's values swapped
+def test_a_mutated_amx_packing_is_caught(old, new, tmp_path, monkeypatch):
+    lib = mutated_library("amx.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        check_products()
+    with pytest.raises(AssertionError):
+        check_experts()
