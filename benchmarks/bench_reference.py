@@ -258,8 +258,8 @@ def run(args: argparse.Namespace) -> None:
     rate = multiply_add_rate()
     if rate is not None:
         # bounds against batch 1 as measured: batch 16 steps no faster than its memory floor, nor than its
-        # products take at the rate this build's dot-product kernels reach on warm weights (AMX tiles
-        # multiply faster, but oneDNN's repack of each cold weight reads it at a third of the floor's rate)
+        # products take at the rate this build's native product of 16 rows reaches on warm weights (dot
+        # products, or AMX tiles where the CPU has them: N36, N37)
         one_ms, _, experts = batches["fast (bf16)"]
         macs = decode_multiply_adds(fast_model, BATCH)
         compute_ms, memory_ms = macs / rate * 1e3, decode_weight_bytes(fast_model, experts) / read_gb_s / 1e6
