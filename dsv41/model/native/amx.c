@@ -78,40 +78,52 @@ void dsv41_amx_pack(int64_t M, int64_t K, const uint16_t *x, int64_t x_stride, u
         }
 }
 
-/* C tiles 0 … count − 1 over B blocks c0, c0 + 1 …, A (tile 4) and B (5) loaded per 32 values of K. No
- * software prefetch: the hardware's alone read a cold 1024 × 1024 weight at 16 rows in 122 µs; asking
- * for the next tile's lines (into L1 or L2), or for this tile's further on, took 137–178 (N37). */
-#define AMX_PASS(count)                                                                                    \
-    do {                                                                                                   \
-        for (int t = 0; t < (count); t++) switch (t) {                                                     \
-            case 0: _tile_zero(0); break;                                                                  \
-            case 1: _tile_zero(1); break;                                                                  \
-            case 2: _tile_zero(2); break;                                                                  \
-            default: _tile_zero(3); break;                                                                 \
-        }                                                                                                  \
-        for (int64_t k = 0; k < Kp; k += 32) {                                                             \
-            _tile_loadd(4, w + k, w_stride * 2);                                                          \
-            const uint16_t *bk = b + (c0 * (Kp / 2) + k / 2) * 2 * AMX_ROWS;                              \
-            _tile_loadd(5, bk, 64);                                                                        \
-            _tile_dpbf16ps(0, 4, 5);                                                                       \
-            if ((count) > 1) { _tile_loadd(5, bk + Kp * AMX_ROWS, 64); _tile_dpbf16ps(1, 4, 5); }         \
-            if ((count) > 2) { _tile_loadd(5, bk + 2 * Kp * AMX_ROWS, 64); _tile_dpbf16ps(2, 4, 5); }     \
-            if ((count) > 3) { _tile_loadd(5, bk + 3 * Kp * AMX_ROWS, 64); _tile_dpbf16ps(3, 4, 5); }     \
-        }                                                                                                  \
-        float *at = c + c0 * AMX_ROWS * AMX_ROWS;                                                          \
-        _tile_stored(0, at, 64);                                                                           \
-        if ((count) > 1) _tile_stored(1, at + AMX_ROWS * AMX_ROWS, 64);                                    \
-        if ((count) > 2) _tile_stored(2, at + 2 * AMX_ROWS * AMX_ROWS, 64);                                \
-        if ((count) > 3) _tile_stored(3, at + 3 * AMX_ROWS * AMX_ROWS, 64);                                \
-    } while (0)
+const uint16_t *dsv41_amx_rows(const uint16_t *w, int64_t w_stride, int64_t rows, int64_t K, uint16_t *scratch,
+                               int64_t *stride) {
+    if (rows == AMX_ROWS && K % 32 == 0) {
+        *stride = w_stride;
+        return w;
+    }
+    /* a partial tile's load would read rows past the weight, and a K tail values past the row */
+    for (int64_t i = 0; i < rows; i++) memcpy(scratch + i * AMX_PADDED(K), w + i * w_stride, (size_t)K * sizeof(uint16_t));
+    *stride = AMX_PADDED(K);
+    return scratch;
+}
+
+/* C tiles 0 … count − 1 over B blocks c0, c0 + 1 …, A (tile 4) and B (5) loaded per 32 values of K; count is
+ * a constant where this inlines, so the tests on it fold away. No software prefetch: the hardware's alone
+ * read a cold 1024 × 1024 weight at 16 rows in 122 µs; asking for the next tile's lines (into L1 or L2),
+ * or for this tile's further on, took 137–178 (N37). */
+static inline __attribute__((always_inline)) void amx_pass(int count, const uint16_t *w, int64_t w_stride, int64_t Kp,
+                                                           const uint16_t *b, float *c) {
+    _tile_zero(0);
+    if (count > 1) _tile_zero(1);
+    if (count > 2) _tile_zero(2);
+    if (count > 3) _tile_zero(3);
+    for (int64_t k = 0; k < Kp; k += 32) {
+        _tile_loadd(4, w + k, w_stride * 2);
+        const uint16_t *bk = b + k / 2 * 2 * AMX_ROWS;
+        _tile_loadd(5, bk, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (count > 1) { _tile_loadd(5, bk + Kp * AMX_ROWS, 64); _tile_dpbf16ps(1, 4, 5); }
+        if (count > 2) { _tile_loadd(5, bk + 2 * Kp * AMX_ROWS, 64); _tile_dpbf16ps(2, 4, 5); }
+        if (count > 3) { _tile_loadd(5, bk + 3 * Kp * AMX_ROWS, 64); _tile_dpbf16ps(3, 4, 5); }
+    }
+    _tile_stored(0, c, 64);
+    if (count > 1) _tile_stored(1, c + AMX_ROWS * AMX_ROWS, 64);
+    if (count > 2) _tile_stored(2, c + 2 * AMX_ROWS * AMX_ROWS, 64);
+    if (count > 3) _tile_stored(3, c + 3 * AMX_ROWS * AMX_ROWS, 64);
+}
 
 void dsv41_amx_tile(const uint16_t *w, int64_t w_stride, int64_t Kp, const uint16_t *b, int64_t blocks, float *c) {
     for (int64_t c0 = 0; c0 < blocks; c0 += 4) {
+        const uint16_t *bc = b + c0 * Kp * AMX_ROWS;            /* block c0: Kp / 2 pairs × AMX_ROWS × 2 */
+        float *cc = c + c0 * AMX_ROWS * AMX_ROWS;
         switch (blocks - c0) {
-            case 1: AMX_PASS(1); break;
-            case 2: AMX_PASS(2); break;
-            case 3: AMX_PASS(3); break;
-            default: AMX_PASS(4); break;
+            case 1: amx_pass(1, w, w_stride, Kp, bc, cc); break;
+            case 2: amx_pass(2, w, w_stride, Kp, bc, cc); break;
+            case 3: amx_pass(3, w, w_stride, Kp, bc, cc); break;
+            default: amx_pass(4, w, w_stride, Kp, bc, cc); break;
         }
     }
 }

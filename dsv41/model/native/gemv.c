@@ -419,13 +419,9 @@ static int run_amx(const Gemv *g, const uint16_t *x, int64_t x_sp, int64_t x_sm,
         for (int64_t r = span.begin; r < span.end; r++) {
             const int64_t p = r / tiles, n0 = (r % tiles) * AMX_ROWS;
             const int64_t rows = g->N - n0 < AMX_ROWS ? g->N - n0 : AMX_ROWS;
-            const uint16_t *w = (const uint16_t *)g->w + p * g->w_sp + n0 * g->w_sn;
-            int64_t stride = g->w_sn;
-            if (rows < AMX_ROWS || g->K != Kp) {
-                for (int64_t i = 0; i < rows; i++) memcpy(mine + i * Kp, w + i * g->w_sn, (size_t)g->K * sizeof(uint16_t));
-                w = mine;
-                stride = Kp;
-            }
+            int64_t stride;
+            const uint16_t *w = dsv41_amx_rows((const uint16_t *)g->w + p * g->w_sp + n0 * g->w_sn, g->w_sn, rows,
+                                               g->K, mine, &stride);
             dsv41_amx_tile(w, stride, Kp, b + p * packed, blocks, sums);
             for (int64_t m = 0; m < g->M; m++)
                 for (int64_t i = 0; i < rows; i++)
@@ -841,16 +837,14 @@ static inline int amx_group(int amx, int64_t m) {
 static void amx_bank_tile(const uint16_t *bx, int64_t blocks, int64_t K, const void *w, const void *s,
                           const uint8_t *c, int64_t e, int64_t E, int64_t rows, int64_t j0, uint16_t *scratch,
                           float *sums) {
-    const int64_t Kp = AMX_PADDED(K), n = rows - j0 < AMX_ROWS ? rows - j0 : AMX_ROWS;
+    const int64_t n = rows - j0 < AMX_ROWS ? rows - j0 : AMX_ROWS;
     const uint16_t *a = scratch;
-    if (c != NULL && e != E) {
+    int64_t stride = K;                                     /* a stored bank's K is a multiple of 32 */
+    if (c != NULL && e != E)
         fp4_rows(n, K, 1, (const uint8_t *)w + (e * rows + j0) * (K / 2), c + (e * rows + j0) * (K / 32), scratch);
-    } else {
-        const uint16_t *m = (const uint16_t *)expert_weight(w, s, e, E, rows * K, 2) + j0 * K;
-        if (n == AMX_ROWS && K == Kp) a = m;
-        else for (int64_t i = 0; i < n; i++) memcpy(scratch + i * Kp, m + i * K, (size_t)K * sizeof(uint16_t));
-    }
-    dsv41_amx_tile(a, Kp, Kp, bx, blocks, sums);
+    else
+        a = dsv41_amx_rows((const uint16_t *)expert_weight(w, s, e, E, rows * K, 2) + j0 * K, K, n, K, scratch, &stride);
+    dsv41_amx_tile(a, stride, AMX_PADDED(K), bx, blocks, sums);
 }
 
 /* sums [blocks, AMX_ROWS, AMX_ROWS] of an `amx_bank_tile` → rows j0 … of the m pairs' outputs at p0

@@ -45,6 +45,11 @@ void dsv41_amx_end(void);
 /* x [M, K] (row stride x_stride) packed into B blocks b [AMX_BLOCKS(M), Kp / 2, AMX_ROWS, 2], zeros
  * past M rows and K values. */
 void dsv41_amx_pack(int64_t M, int64_t K, const uint16_t *x, int64_t x_stride, uint16_t *b);
+/* The rows (≤ AMX_ROWS, K values each) of weight w that a tile loads: w itself (row stride w_stride into
+ * *stride) where they are a whole tile and K a multiple of 32, else their copy into scratch [AMX_ROWS,
+ * AMX_PADDED(K)] (zero past K where the scratch was zeroed; stride AMX_PADDED(K)). */
+const uint16_t *dsv41_amx_rows(const uint16_t *w, int64_t w_stride, int64_t rows, int64_t K, uint16_t *scratch,
+                               int64_t *stride);
 /* AMX_ROWS weight rows w (row stride w_stride, Kp readable values each) against `blocks` packed blocks:
  * c [blocks, AMX_ROWS weight rows, AMX_ROWS activation rows] fp32. */
 void dsv41_amx_tile(const uint16_t *w, int64_t w_stride, int64_t Kp, const uint16_t *b, int64_t blocks, float *c);
