@@ -5,7 +5,9 @@ Expected: the float64 product within fp32's error bound plus the bf16 rounding o
 routed experts' SwiGLU mixture within bf16's, and the property the tiles give: each output's bits
 depend on its own weight row, activation row and K, not on the rows beside it (a row placed among 5 or
 among 70 others gives the same fp32 sum; a token's experts give the same output whether each has 6
-rows or 12). A kernel that packs the activations' pairs in the wrong order must fail the same checks.
+rows or 12). A stored fp4 expert's rows, decoded block by block as the tiles take them, give the bits of the
+same expert held in bf16. A kernel that packs the activations' pairs in the wrong order, or multiplies
+a stored block other than the one it decoded, must fail the same checks.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dsv41.model import native
 
 from test_native import mutated_library
 from test_native_fast import experts_formula, product_bound
+from test_stored_experts import held_banks, stored_case
 
 pytestmark = pytest.mark.skipif(not (native.available() and native.amx_products()),
                                 reason="no AMX bf16 tiles on this CPU: the dot products and torch take these rows")
@@ -87,11 +90,28 @@ def test_amx_expert_groups_are_the_swiglu_mixture_whatever_their_size():
     check_experts()
 
 
-@pytest.mark.parametrize("old, new", [("row[2 * n + j] =", "row[2 * n + 1 - j] =")])   # a pair's values swapped
-def test_a_mutated_amx_packing_is_caught(old, new, tmp_path, monkeypatch):
+def check_stored_groups() -> None:
+    """16 tokens on 4 of 8 experts: 8 rows an expert, so every group multiplies on the tiles, its stored
+    rows decoded in registers (every scale in the decode's range) and against the held bank in place."""
+    x, ids, weights, stored = stored_case(16, 4, 8, 128, 96, seed=40)
+    banks, scales = [q for q, _ in stored], tuple(s for _, s in stored)
+    got = native.routed_experts(x, ids, weights, *banks, 6.0, scales=scales, dtype=torch.bfloat16)
+    assert torch.equal(got, native.routed_experts(x, ids, weights, *held_banks(stored), 6.0))
+
+
+def test_amx_stored_expert_groups_are_the_held_banks_bits():
+    check_stored_groups()
+
+
+@pytest.mark.parametrize("old, new, checks", [
+    # a pair's values taken from the pair before it (every odd pair)
+    ("row + 2 * q, 2 * sizeof", "row + 2 * (q / 2 * 2), 2 * sizeof", (check_products, check_experts)),
+    # a stored block decoded into the slot the tiles are about to load, not the other one
+    ("slots[(k / 32 + 1) % 2]", "slots[(k / 32) % 2]", (check_stored_groups,)),
+])
+def test_a_mutated_amx_kernel_is_caught(old, new, checks, tmp_path, monkeypatch):
     lib = mutated_library("amx.c", old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
-    with pytest.raises(AssertionError):
-        check_products()
-    with pytest.raises(AssertionError):
-        check_experts()
+    for check in checks:
+        with pytest.raises(AssertionError):
+            check()

@@ -168,26 +168,26 @@ def test_an_avx2_build_decodes_the_same_bits(tmp_path, monkeypatch):
     check_decoder_and_experts()
 
 
-@pytest.mark.parametrize("old, new, build", [
+@pytest.mark.parametrize("source, old, new, build", [
     # the AVX-512 decode: the scale's exponent one too high
-    ("(int16_t)((s - 127) * 128)", "(int16_t)((s - 126) * 128)", "native"),
+    ("fp4.h", "(int16_t)((s - 127) * 128)", "(int16_t)((s - 126) * 128)", "native"),
     # its range: scale byte 1 (results below the normal range) taken by the exponent add
-    ("#define FP4_WIDE_LOW 2", "#define FP4_WIDE_LOW 1", "native"),
+    ("fp4.h", "#define FP4_WIDE_LOW 2", "#define FP4_WIDE_LOW 1", "native"),
     # a decode step's tiles (N31): the exponent adds worked out a tile at a time one too low, and the
     # vector range check passing every scale (blocks with scale byte 0 or 1 then decoded by the add)
-    ("_mm512_set1_epi32(127)), 7)", "_mm512_set1_epi32(128)), 7)", "native"),
-    ("if (wide != live) return 0;", "if (wide != live && 0) return 0;", "native"),
+    ("fp4.h", "_mm512_set1_epi32(127)), 7)", "_mm512_set1_epi32(128)), 7)", "native"),
+    ("fp4.h", "if (wide != live) return 0;", "if (wide != live && 0) return 0;", "native"),
     # the float product (AVX-512: scales outside the range): the two nibbles of a byte swapped
-    ("src[j / 2] >> (4 * (j & 1))", "src[j / 2] >> (4 * (~j & 1))", "native"),
+    ("gemv.c", "src[j / 2] >> (4 * (j & 1))", "src[j / 2] >> (4 * (~j & 1))", "native"),
     # the AVX2 decode: the sign taken from the wrong bit of the code
-    ("_mm256_srli_epi32(codes, 3), 31)", "_mm256_srli_epi32(codes, 2), 31)", "avx2"),
+    ("gemv.c", "_mm256_srli_epi32(codes, 3), 31)", "_mm256_srli_epi32(codes, 2), 31)", "avx2"),
 ])
-def test_a_mutated_decoder_is_caught(old, new, build, tmp_path, monkeypatch):
+def test_a_mutated_decoder_is_caught(source, old, new, build, tmp_path, monkeypatch):
     if build == "avx2":
         avx2_build(monkeypatch)
     elif not _cpu_has("avx512f", "avx512bw"):
         pytest.skip("this CPU builds gemv.c without the AVX-512 decode")
-    lib = mutated_library("gemv.c", old, new, tmp_path, monkeypatch)
+    lib = mutated_library(source, old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         check_decoder_and_experts()

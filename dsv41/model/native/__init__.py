@@ -63,7 +63,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
 # Included by the sources (bf16 ⇄ fp32, a thread's share of a loop, the kernels one source calls from
 # another): part of the library's key, found in
 # this folder (-I).
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "span.h", "kernels.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "span.h", "kernels.h", "fp4.h"))
 # Products (P·M·N·K) below which a block GEMM runs on one thread (OpenMP's warm pool costs ~1 µs to
 # join; one thread sums ~2¹⁵ products in ~30 µs).
 THREAD_FROM = 1 << 15

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fp4.h"
 #include "kernels.h"
 #include "span.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -32,6 +33,13 @@
 /* Most activation rows of a bf16 product that take the dot products where AMX tiles are there (N37):
  * past them the tiles, whose cost barely grows with the rows (the dot products' grows with each). */
 #define AMX_FROM_ROWS 4
+/* Columns of the routed experts' sum a thread adds at a time: two threads share a dim-1024 row. */
+#define SUM_SPAN 128
+
+
+
+
+
 
 typedef struct {
     int64_t P, M, N, K;
@@ -551,62 +559,7 @@ static inline void fp4_block(const uint8_t *src, uint8_t scale, int bf16, void *
     }
 }
 
-#if defined(__AVX512BW__)
-/* The codes' bf16 values at scale 1 (2^0): the scale then adds (s − 127) to the exponent field of every
- * nonzero code. Exact wherever every result stays a normal bf16: the codes' exponents span 126 … 129, so
- * for s in 2 … 252 (FP4_WIDE_SCALE); other scales take the float product (`fp4_block`). */
-static const uint16_t E2M1_BF16[32] = {0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
-                                       0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
-                                       0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
-                                       0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
-/* The table's entries of nonzero magnitude (codes 0 and 8 are ±0 at any scale). */
-#define E2M1_NONZERO 0xfefefefeu
-#define FP4_WIDE_LOW 2
-#define FP4_WIDE_HIGH 252
-#define FP4_WIDE_SCALE(s) ((s) >= FP4_WIDE_LOW && (s) <= FP4_WIDE_HIGH)
-/* Most 32-value blocks in a row that a decode step's tile decodes in registers (K ≤ 8192: the release's
- * widest expert input is 4096); wider rows take the scratch. */
-#define FP4_TILE_BLOCKS 256
-
-/* 16 bytes of codes → their 32 bf16 values (K order) at scale byte s (FP4_WIDE_SCALE): byte i becomes the
- * 32-bit lane b | b << 12, whose low word indexes the table by b's low 5 bits (the table repeats past 16,
- * so the high nibble's low bit does not matter) and whose high word is b >> 4. */
-static inline __m512i fp4_scaled_values(const uint8_t *bytes16, __m512i exponent_add, __m512i table) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes16));
-    const __m512i codes = _mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12));
-    const __m512i scaled = _mm512_mask_add_epi16(table, E2M1_NONZERO, table, exponent_add);
-    return _mm512_permutexvar_epi16(codes, scaled);
-}
-
-/* Scale byte s adds (s − 127) · 2^7 to a bf16 exponent field. */
-static inline __m512i fp4_values(const uint8_t *bytes16, uint8_t s, __m512i table) {
-    return fp4_scaled_values(bytes16, _mm512_set1_epi16((int16_t)((s - 127) * 128)), table);
-}
-
-/* The exponent adds of `count` scale bytes into out, 16 at a time, each in both 16-bit halves of a
- * 32-bit lane (so that a block takes its own by a 32-bit broadcast load). */
-static inline void fp4_exponent_adds(const uint8_t *c, int64_t count, uint32_t *out) {
-    for (int64_t q = 0; q < count; q += 16) {
-        const __mmask16 live = count - q >= 16 ? 0xffff : (__mmask16)((1u << (count - q)) - 1u);
-        const __m512i s = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, c + q));
-        const __m512i add = _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(s, _mm512_set1_epi32(127)), 7),
-                                             _mm512_set1_epi32(0xffff));
-        _mm512_mask_storeu_epi32(out + q, live, _mm512_or_si512(add, _mm512_slli_epi32(add, 16)));
-    }
-}
-
-/* 1 where all `count` scale bytes are FP4_WIDE_SCALE, 64 at a time. */
-static inline int fp4_wide_scales(const uint8_t *c, int64_t count) {
-    const __m512i low = _mm512_set1_epi8(FP4_WIDE_LOW), high = _mm512_set1_epi8((char)FP4_WIDE_HIGH);
-    for (int64_t q = 0; q < count; q += 64) {
-        const __mmask64 live = count - q >= 64 ? ~0ull : (1ull << (count - q)) - 1ull;
-        const __m512i s = _mm512_maskz_loadu_epi8(live, c + q);
-        const __mmask64 wide = _mm512_mask_cmpge_epu8_mask(live, s, low) & _mm512_mask_cmple_epu8_mask(live, s, high);
-        if (wide != live) return 0;
-    }
-    return 1;
-}
-#elif defined(__AVX2__)
+#if !defined(__AVX512BW__) && defined(__AVX2__)
 /* Eight values from four code bytes (nibble k of the little-endian word is value k), as `fp4_block`
  * computes them: the code's magnitude from a table, its sign bit, and the same fp32 product by the
  * scale, so the same bits for every scale. */
@@ -832,17 +785,20 @@ static inline int amx_group(int amx, int64_t m) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* `bank_tile` on AMX tiles (N37): AMX_ROWS rows of expert e's bf16 matrix (`rows` × K, from row j0) against
  * its group's packed activation blocks bx → sums [blocks, AMX_ROWS, AMX_ROWS]. A held matrix's whole
- * tile is read in place; a stored one's rows are decoded into `scratch` first (the held bank's values,
- * so the held bank's bits), as is a partial tile or a K that is not a multiple of 32 (zero-padded). */
+ * tile is read in place; a stored one's rows are decoded to the held bank's values (so the held bank's
+ * bits) block by block as the tiles take them, or into `scratch` first where a scale is outside
+ * FP4_WIDE_SCALE; a held partial tile or a K that is not a multiple of 32 is copied there (zero-padded). */
 static void amx_bank_tile(const uint16_t *bx, int64_t blocks, int64_t K, const void *w, const void *s,
                           const uint8_t *c, int64_t e, int64_t E, int64_t rows, int64_t j0, uint16_t *scratch,
                           float *sums) {
     const int64_t n = rows - j0 < AMX_ROWS ? rows - j0 : AMX_ROWS;
     const uint16_t *a = scratch;
     int64_t stride = K;                                     /* a stored bank's K is a multiple of 32 */
-    if (c != NULL && e != E)
-        fp4_rows(n, K, 1, (const uint8_t *)w + (e * rows + j0) * (K / 2), c + (e * rows + j0) * (K / 32), scratch);
-    else
+    if (c != NULL && e != E) {
+        const uint8_t *codes = (const uint8_t *)w + (e * rows + j0) * (K / 2), *scales = c + (e * rows + j0) * (K / 32);
+        if (dsv41_amx_tile_fp4(codes, scales, n, K, bx, blocks, sums) == 0) return;
+        fp4_rows(n, K, 1, codes, scales, scratch);
+    } else
         a = dsv41_amx_rows((const uint16_t *)expert_weight(w, s, e, E, rows * K, 2) + j0 * K, K, n, K, scratch, &stride);
     dsv41_amx_tile(a, stride, AMX_PADDED(K), bx, blocks, sums);
 }
@@ -1018,11 +974,19 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         if (amx) dsv41_amx_end();
 #endif
+        /* Σ per token, experts ascending: pair after pair onto its token's row, a span of SUM_SPAN columns
+         * at a time (whole rows vectorise; one column at a time read y at a D-float stride and added
+         * through memory, a fifth of a 16-token layer's time outside the products) */
         #pragma omp for schedule(static)
-        for (int64_t d = 0; d < D; d++) {                    /* Σ per token, experts ascending */
+        for (int64_t d0 = 0; d0 < D; d0 += SUM_SPAN) {
+            const int64_t d1 = d0 + SUM_SPAN < D ? d0 + SUM_SPAN : D;
             if (!accumulate)
-                for (int64_t t = 0; t < n; t++) out[t * D + d] = 0.0f;
-            for (int64_t p = 0; p < P; p++) out[pair_token(pair[2 * p + 1], A) * D + d] += y[p * D + d];
+                for (int64_t t = 0; t < n; t++) memset(out + t * D + d0, 0, (size_t)(d1 - d0) * sizeof(float));
+            for (int64_t p = 0; p < P; p++) {
+                float *o = out + pair_token(pair[2 * p + 1], A) * D;
+                const float *yp = y + p * D;
+                for (int64_t d = d0; d < d1; d++) o[d] += yp[d];
+            }
         }
     }
     free(pair); free(group); free(gate); free(xg); free(scratch); free(first); free(bx); free(bh); free(tiles); free(sums);

@@ -53,6 +53,13 @@ const uint16_t *dsv41_amx_rows(const uint16_t *w, int64_t w_stride, int64_t rows
 /* AMX_ROWS weight rows w (row stride w_stride, Kp readable values each) against `blocks` packed blocks:
  * c [blocks, AMX_ROWS weight rows, AMX_ROWS activation rows] fp32. */
 void dsv41_amx_tile(const uint16_t *w, int64_t w_stride, int64_t Kp, const uint16_t *b, int64_t blocks, float *c);
+/* `dsv41_amx_tile` of `rows` (≤ AMX_ROWS) stored fp4 rows, w [rows, K / 2] code bytes and s [rows, K / 32]
+ * ue8m0 scales, each decoded to its bf16 values (a held bank's) as the tiles take it: the same c, rows
+ * past `rows` zero. Returns 0, or -1 without touching c where a scale is not FP4_WIDE_SCALE or K is not a
+ * multiple of 32 or has more than FP4_TILE_BLOCKS blocks (then decode into a scratch and take
+ * `dsv41_amx_tile`). */
+int dsv41_amx_tile_fp4(const uint8_t *w, const uint8_t *s, int64_t rows, int64_t K, const uint16_t *b, int64_t blocks,
+                       float *c);
 
 /* One bf16 product of N rows: out [N, rows] = x [N, K] · w [rows, K]ᵀ (Linear.forward's). */
 static inline int bf16_product(int64_t N, int64_t rows, int64_t K, int threads, const uint16_t *x,
