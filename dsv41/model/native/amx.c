@@ -91,29 +91,42 @@ const uint16_t *dsv41_amx_rows(const uint16_t *w, int64_t w_stride, int64_t rows
     return scratch;
 }
 
-/* C tiles 0 … count − 1 over B blocks c0, c0 + 1 …, A (tile 4) and B (5) loaded per 32 values of K; count is
- * a constant where this inlines, so the tests on it fold away. No software prefetch: the hardware's alone
- * read a cold 1024 × 1024 weight at 16 rows in 122 µs; asking for the next tile's lines (into L1 or L2),
- * or for this tile's further on, took 137–178 (N37). */
-static inline __attribute__((always_inline)) void amx_pass(int count, const uint16_t *w, int64_t w_stride, int64_t Kp,
-                                                           const uint16_t *b, float *c) {
+/* C tiles 0 … count − 1 hold the sums over B blocks c0, c0 + 1 …; A is tile 4 and B tile 5, loaded per 32
+ * values of K. count is a constant where these inline, so the tests on it fold away. */
+static inline __attribute__((always_inline)) void c_zero(int count) {
     _tile_zero(0);
     if (count > 1) _tile_zero(1);
     if (count > 2) _tile_zero(2);
     if (count > 3) _tile_zero(3);
-    for (int64_t k = 0; k < Kp; k += 32) {
-        _tile_loadd(4, w + k, w_stride * 2);
-        const uint16_t *bk = b + k / 2 * 2 * AMX_ROWS;
-        _tile_loadd(5, bk, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        if (count > 1) { _tile_loadd(5, bk + Kp * AMX_ROWS, 64); _tile_dpbf16ps(1, 4, 5); }
-        if (count > 2) { _tile_loadd(5, bk + 2 * Kp * AMX_ROWS, 64); _tile_dpbf16ps(2, 4, 5); }
-        if (count > 3) { _tile_loadd(5, bk + 3 * Kp * AMX_ROWS, 64); _tile_dpbf16ps(3, 4, 5); }
-    }
+}
+
+/* The A tile (tile 4) against the step's 32 values of `count` B blocks from bk (blocks Kp · AMX_ROWS apart). */
+static inline __attribute__((always_inline)) void c_step(int count, const uint16_t *bk, int64_t Kp) {
+    _tile_loadd(5, bk, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (count > 1) { _tile_loadd(5, bk + Kp * AMX_ROWS, 64); _tile_dpbf16ps(1, 4, 5); }
+    if (count > 2) { _tile_loadd(5, bk + 2 * Kp * AMX_ROWS, 64); _tile_dpbf16ps(2, 4, 5); }
+    if (count > 3) { _tile_loadd(5, bk + 3 * Kp * AMX_ROWS, 64); _tile_dpbf16ps(3, 4, 5); }
+}
+
+static inline __attribute__((always_inline)) void c_store(int count, float *c) {
     _tile_stored(0, c, 64);
     if (count > 1) _tile_stored(1, c + AMX_ROWS * AMX_ROWS, 64);
     if (count > 2) _tile_stored(2, c + 2 * AMX_ROWS * AMX_ROWS, 64);
     if (count > 3) _tile_stored(3, c + 3 * AMX_ROWS * AMX_ROWS, 64);
+}
+
+/* A held weight's tiles read in place. No software prefetch: the hardware's alone read a cold 1024 × 1024
+ * weight at 16 rows in 122 µs; asking for the next tile's lines (into L1 or L2), or for this tile's
+ * further on, took 137–178 (N37). */
+static inline __attribute__((always_inline)) void amx_pass(int count, const uint16_t *w, int64_t w_stride, int64_t Kp,
+                                                           const uint16_t *b, float *c) {
+    c_zero(count);
+    for (int64_t k = 0; k < Kp; k += 32) {
+        _tile_loadd(4, w + k, w_stride * 2);
+        c_step(count, b + k / 2 * 2 * AMX_ROWS, Kp);
+    }
+    c_store(count, c);
 }
 
 void dsv41_amx_tile(const uint16_t *w, int64_t w_stride, int64_t Kp, const uint16_t *b, int64_t blocks, float *c) {
@@ -149,26 +162,15 @@ static inline __attribute__((always_inline)) void amx_pass_fp4(int count, const 
                                                                uint16_t (*slots)[AMX_ROWS * 32]) {
     const __m512i table = _mm512_loadu_si512(E2M1_BF16);
     const char *next = (const char *)w + AMX_ROWS * (K / 2);
-    _tile_zero(0);
-    if (count > 1) _tile_zero(1);
-    if (count > 2) _tile_zero(2);
-    if (count > 3) _tile_zero(3);
+    c_zero(count);
     fp4_slot(w, rows, K, adds, 0, table, slots[0]);
     for (int64_t k = 0; k < K; k += 32) {
         for (int64_t line = 0; line < AMX_ROWS * 16; line += 64) _mm_prefetch(next + k / 32 * AMX_ROWS * 16 + line, _MM_HINT_T0);
         if (k + 32 < K) fp4_slot(w, rows, K, adds, k + 32, table, slots[(k / 32 + 1) % 2]);
         _tile_loadd(4, slots[(k / 32) % 2], 64);
-        const uint16_t *bk = b + k / 2 * 2 * AMX_ROWS;
-        _tile_loadd(5, bk, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        if (count > 1) { _tile_loadd(5, bk + K * AMX_ROWS, 64); _tile_dpbf16ps(1, 4, 5); }
-        if (count > 2) { _tile_loadd(5, bk + 2 * K * AMX_ROWS, 64); _tile_dpbf16ps(2, 4, 5); }
-        if (count > 3) { _tile_loadd(5, bk + 3 * K * AMX_ROWS, 64); _tile_dpbf16ps(3, 4, 5); }
+        c_step(count, b + k / 2 * 2 * AMX_ROWS, K);
     }
-    _tile_stored(0, c, 64);
-    if (count > 1) _tile_stored(1, c + AMX_ROWS * AMX_ROWS, 64);
-    if (count > 2) _tile_stored(2, c + 2 * AMX_ROWS * AMX_ROWS, 64);
-    if (count > 3) _tile_stored(3, c + 3 * AMX_ROWS * AMX_ROWS, 64);
+    c_store(count, c);
 }
 
 int dsv41_amx_tile_fp4(const uint8_t *w, const uint8_t *s, int64_t rows, int64_t K, const uint16_t *b, int64_t blocks,
