@@ -36,11 +36,6 @@
 /* Columns of the routed experts' sum a thread adds at a time: two threads share a dim-1024 row. */
 #define SUM_SPAN 128
 
-
-
-
-
-
 typedef struct {
     int64_t P, M, N, K;
     int w_bf16, out_bf16, exact;
