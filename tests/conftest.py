@@ -20,6 +20,15 @@ def pytest_configure(config):
     torch.set_num_threads(int(os.environ.get("DSV41_TEST_THREADS", "1")))
 
 
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads for one test (the native kernels' threaded paths), then the session's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def nonbinding_cfg():
     return helpers.nonbinding_config()

@@ -115,3 +115,23 @@ def test_a_mutated_amx_kernel_is_caught(old, new, checks, tmp_path, monkeypatch)
     for check in checks:
         with pytest.raises(AssertionError):
             check()
+
+
+def test_the_heads_rows_past_four_multiply_on_the_tiles(monkeypatch):
+    """Fast bf16 logits of more than 4 rows (a batch's decode step) take the tiles, bf16 by bf16 into fp32
+    sums: the float64 product within fp32's error, each row's bits its own whatever the batch beside
+    it; 4 rows still widen to fp32 as they are read (the decode-step product)."""
+    from test_native_fast import FAST_NATIVE
+    g = torch.Generator().manual_seed(39)
+    w = torch.randn(300, 96, generator=g).to(torch.bfloat16)
+    x = torch.randn(16, 96, generator=g).to(torch.bfloat16)
+    calls = []
+    real = native.linear
+    monkeypatch.setattr(native, "linear", lambda *a, **k: calls.append((a[0].dtype, a[0].shape[0])) or real(*a, **k))
+    got = {n: FAST_NATIVE.head_logits(x[:n], w) for n in (4, 5, 16)}
+    assert calls == [(torch.float32, 4), (torch.bfloat16, 5), (torch.bfloat16, 16)]
+    for n, logits in got.items():
+        assert logits.dtype == torch.float32
+        exact = x[:n].double() @ w.double().t()
+        assert ((logits.double() - exact).abs() <= product_bound(x[None, :n], w[None])[0]).all(), n
+    assert torch.equal(got[16][:5], got[5])

@@ -287,6 +287,23 @@ def test_routed_experts_are_the_swiglu_mixture(limit):
     assert native.routed_experts(x, ids.clamp(max=7) + 1, weights, w1, w3, w2, limit) is None   # id 8 of 8
 
 
+def test_the_experts_silu_holds_far_out():
+    """Gate values from −150 to 60 unclamped (e^−g overflows fp32 below −88.7, and silu(g) is then −0):
+    fp32 hidden values against float64 to fp32's error, with no NaN."""
+    D = I = 48
+    x = torch.zeros(1, D)
+    x[0, 0] = 1.0
+    w1, w3 = torch.zeros(1, I, D), torch.zeros(1, I, D)
+    w1[0, :, 0] = torch.linspace(-150.0, 60.0, I)
+    w3[0, :, 0] = 0.125
+    w2 = torch.eye(D, I).unsqueeze(0)           # each hidden value is an output
+    ids, weights = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1)
+    out = native.routed_experts(x, ids, weights, w1, w3, w2, 0.0)
+    expect = experts_formula(x, ids, weights, w1, w3, w2, 0.0, False)
+    assert not out.isnan().any()
+    assert torch.allclose(out.double(), expect, rtol=1e-6, atol=1e-30)
+
+
 def test_routed_experts_layer_takes_the_kernel_and_matches_its_torch_path():
     x, ids, weights, w1, w3, w2 = expert_case(6, 3, 8, 64, 32, torch.bfloat16, seed=9)
     layers = [RoutedExperts(8, 64, 32, "bf16", 2.0, numerics=numerics) for numerics in (FAST, FAST_NATIVE)]
@@ -302,6 +319,9 @@ def test_routed_experts_layer_takes_the_kernel_and_matches_its_torch_path():
     ("for (; k < K; k++) {", "for (; k + 1 < K; k++) {", "product"),          # the tail's last element lost
     ("u += 0x7fffu + ((u >> 16) & 1u);", "u += 0x8000u;", "rounding"),        # ties away from zero
     ("u = u < -limit ? -limit :", "u = u < -limit ? u :", "experts"),        # up unclamped from below
+    # the same in the AVX-512 SwiGLU lanes, and their exp without ln 2's low part
+    ("u = _mm512_min_ps(_mm512_max_ps(u, bottom), top);", "u = _mm512_min_ps(u, top);", "experts lanes"),
+    ("r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);", "", "experts exp"),
     # the AVX-512 register tiles (2 … 8 rows): a tile's first output row written for all four
     ("put(g, p, m0 + r, n + i, acc[r][i]);", "put(g, p, m0 + r, n + i, acc[r][0]);", "tiles"),
     # the AVX512-BF16 dot products: the K tail's last pair lost, one vector's lane sum taken twice
@@ -321,7 +341,11 @@ def test_a_mutated_fast_kernel_is_caught(old, new, check, tmp_path, monkeypatch)
         pytest.skip("this CPU builds gemv.c without the AVX2 loop")
     if old.startswith("case 1") and not (_cpu_has("avx512f") or _cpu_has("avx2", "fma")):
         pytest.skip("this CPU builds gemv.c without a vector loop")
-    lib = mutated_library("bf16.h" if check == "rounding" else "gemv.c", old, new, tmp_path, monkeypatch)
+    lanes = _cpu_has("avx512f", "avx512bw", "avx512vl")
+    if check.startswith("experts") and lanes != (check != "experts"):
+        pytest.skip("this CPU builds the other SwiGLU loop")
+    source = {"rounding": "bf16.h", "experts exp": "exp.h"}.get(check, "gemv.c")
+    lib = mutated_library(source, old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         if check in ("product", "tiles"):
@@ -332,6 +356,7 @@ def test_a_mutated_fast_kernel_is_caught(old, new, check, tmp_path, monkeypatch)
             test_bf16_results_round_to_nearest_even_like_torch()
         else:
             test_routed_experts_are_the_swiglu_mixture(2.0)
+            test_the_experts_silu_holds_far_out()
 
 
 def attention_formula(q, pool, rows, sink, scale):
@@ -379,9 +404,16 @@ def test_native_sparse_attention_is_the_softmax_with_its_sink(dtype, monkeypatch
     assert torch.allclose(got.float(), sparse_attention(q, pool, rows, sink, 0.125, FAST).float(), atol=tol * 4)
 
 
-def test_a_mutated_sparse_attention_is_caught(tmp_path, monkeypatch):
-    """The sink left out of the denominator: off the formula."""
-    lib = mutated_library("attention.c", "denom += expf(sink[h] - m);", "denom += 0.0f;", tmp_path, monkeypatch)
+@pytest.mark.parametrize("old, new", [
+    ("denom += expf(sink[h] - m);", "denom += 0.0f;"),                   # the sink left out of the denominator
+    # the rows' weights in AVX-512 lanes taken without the max (the sink's keeps it)
+    ("_mm512_set1_ps(m))));", "_mm512_set1_ps(0.0f))));"),
+])
+def test_a_mutated_sparse_attention_is_caught(old, new, tmp_path, monkeypatch):
+    """Off the formula either way."""
+    if "_mm512" in old and not _cpu_has("avx512f"):
+        pytest.skip("this CPU builds attention.c without AVX-512 lanes")
+    lib = mutated_library("attention.c", old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         test_native_sparse_attention_is_the_softmax_with_its_sink(torch.float32, monkeypatch)
@@ -510,9 +542,13 @@ def test_native_hc_mixes_are_the_projection_and_split(dtype, monkeypatch):
         assert torch.equal(one, part[:, 1:2])
 
 
-def test_a_mutated_hc_mixes_kernel_is_caught(tmp_path, monkeypatch):
-    """The projection left unnormalised (no RMS statistic): off the formula."""
-    lib = mutated_library("mixes.c", "fn + j * K, K) * inv[r];", "fn + j * K, K);", tmp_path, monkeypatch)
+@pytest.mark.parametrize("old, new", [
+    ("= block[r][j] * inv[r0 + r];", "= block[r][j];"),             # the projection left unnormalised
+    ("= block[r][j] * inv[r0 + r];", "= block[r][j] * inv[r0];"),   # a block's second row by the first's statistic
+])
+def test_a_mutated_hc_mixes_kernel_is_caught(old, new, tmp_path, monkeypatch):
+    """Off the formula either way."""
+    lib = mutated_library("mixes.c", old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         test_native_hc_mixes_are_the_projection_and_split(torch.float32, monkeypatch)
@@ -589,6 +625,23 @@ def test_a_sublayer_entry_is_one_native_call_with_the_bits_of_four(dtype):
     many = x[:, :1].expand(1, 65, S, D)                                         # past the norm's rows
     assert FAST_NATIVE.hc_enter(many, pre[:, :1].expand(1, 65, S), fn, scale, base, iters, 1e-6, 1e-6,
                                 norm.weight, norm.eps) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_entry_and_the_mixes_on_two_threads(dtype, monkeypatch, two_threads):
+    """Several rows on two threads: the entry takes them in pairs of rows, the mixes' projections in
+    blocks of rows and of fn's rows; the same bits as the separate calls, and each row its own."""
+    test_a_sublayer_entry_is_one_native_call_with_the_bits_of_four(dtype)
+    test_native_hc_mixes_are_the_projection_and_split(dtype, monkeypatch)
+
+
+def test_a_mutated_row_split_of_a_sublayer_entry_is_caught(tmp_path, monkeypatch, two_threads):
+    """Every pair of rows given the first pair's pre: off the separate calls."""
+    lib = mutated_library("mixes.c", "norm_eps, hc_eps, 1, pre + r * S,", "norm_eps, hc_eps, 1, pre,", tmp_path,
+                          monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_a_sublayer_entry_is_one_native_call_with_the_bits_of_four(torch.float32)
 
 
 def test_a_model_enters_each_sublayer_of_a_decode_step_in_one_call(monkeypatch):
@@ -1058,6 +1111,22 @@ def test_a_blocks_feed_forward_half_is_one_native_call_with_the_bits_of_three(n,
     assert (got_streams.double() - mixed).abs().max() <= 2.0 ** -7 * mixed.abs().max()
 
 
+@pytest.mark.parametrize("stored", [False, True], ids=["held", "stored"])
+def test_a_feed_forward_half_on_two_threads_has_the_bits_of_three(stored, two_threads):
+    """8 rows on two threads: the entry by pairs of rows, the experts' loops and the last expansion by
+    rows, still bit-equal to the calls one by one."""
+    test_a_blocks_feed_forward_half_is_one_native_call_with_the_bits_of_three(8, stored)
+
+
+def test_a_mutated_row_split_of_the_last_expansion_is_caught(tmp_path, monkeypatch, two_threads):
+    """Every row expanded with the first row's post: off the calls one by one."""
+    lib = mutated_library("mixes.c", "post + r * S, comb + r * S * S, (char *)out", "post, comb + r * S * S, (char *)out",
+                          tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_a_blocks_feed_forward_half_is_one_native_call_with_the_bits_of_three(8, False)
+
+
 def test_the_policy_fuses_the_feed_forward_half_of_decode_rows_only():
     g = torch.Generator().manual_seed(52)
     streams, pre, out, post, comb, mixes, norm, moe = _ffn_half_case(g, 2, False)
@@ -1094,10 +1163,10 @@ def test_a_decode_step_takes_the_feed_forward_half_with_the_bits_of_the_layer_ca
 
 
 @pytest.mark.parametrize("old, new", [
-    ("dsv41_hc_expand(N, S, D, 1, y, entered, post_ffn, comb_ffn, streams_out);",
-     "dsv41_hc_expand(N, S, D, 1, y, entered, post, comb, streams_out);"),           # the attention's mixes
-    ("dsv41_hc_expand(N, S, D, 1, y, entered, post_ffn, comb_ffn, streams_out);",
-     "dsv41_hc_expand(N, S, D, 1, y, residual, post_ffn, comb_ffn, streams_out);"),  # the streams before
+    ("dsv41_hc_expand_rows(N, S, D, 1, y, entered, post_ffn, comb_ffn, streams_out,",
+     "dsv41_hc_expand_rows(N, S, D, 1, y, entered, post, comb, streams_out,"),           # the attention's mixes
+    ("dsv41_hc_expand_rows(N, S, D, 1, y, entered, post_ffn, comb_ffn, streams_out,",
+     "dsv41_hc_expand_rows(N, S, D, 1, y, residual, post_ffn, comb_ffn, streams_out,"),  # the streams before
     ("status = dsv41_moe(N, D, E, A, I, threads, h,", "status = dsv41_moe(N, D, E, A, I, threads, o,"),
 ])
 def test_a_mutated_feed_forward_half_is_caught(old, new, tmp_path, monkeypatch):

@@ -63,7 +63,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
 # Included by the sources (bf16 ⇄ fp32, a thread's share of a loop, the kernels one source calls from
 # another): part of the library's key, found in
 # this folder (-I).
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "span.h", "kernels.h", "fp4.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "span.h", "kernels.h", "fp4.h", "exp.h"))
 # Products (P·M·N·K) below which a block GEMM runs on one thread (OpenMP's warm pool costs ~1 µs to
 # join; one thread sums ~2¹⁵ products in ~30 µs).
 THREAD_FROM = 1 << 15
@@ -486,20 +486,22 @@ def exact_kn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     return out if status == 0 else None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> torch.Tensor | None:
-    """x [..., K] · w [N, K]ᵀ → [..., N] in x's dtype: `gemv` of a contiguous x with one weight, without
-    the views (each torch call here costs about a microsecond of a ~10 µs product). None where the
-    kernel does not take the call."""
+def linear(x: torch.Tensor, w: torch.Tensor, exact: bool = False,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """x [..., K] · w [N, K]ᵀ → [..., N] in out_dtype (default x's): `gemv` of a contiguous x with one
+    weight, without the views (each torch call here costs about a microsecond of a ~10 µs product).
+    None where the kernel does not take the call."""
     lib = _library()
     if lib is None or not x.is_contiguous() or w.stride(-1) != 1:
         return None
-    if x.dtype not in _GEMV_DTYPES or w.dtype not in _GEMV_DTYPES:
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if x.dtype not in _GEMV_DTYPES or w.dtype not in _GEMV_DTYPES or out_dtype not in _GEMV_DTYPES:
         return None
     N, K = w.shape
-    out = x.new_empty(*x.shape[:-1], N)
+    out = x.new_empty(*x.shape[:-1], N, dtype=out_dtype)
     bf16 = torch.bfloat16
     threads = torch.get_num_threads() if N * K >= GEMV_THREAD_FROM else 1
-    status = lib.dsv41_gemv(1, x.numel() // K, N, K, x.dtype == bf16, w.dtype == bf16, x.dtype == bf16, exact,
+    status = lib.dsv41_gemv(1, x.numel() // K, N, K, x.dtype == bf16, w.dtype == bf16, out_dtype == bf16, exact,
                             threads, x.data_ptr(), 0, K, w.data_ptr(), 0, w.stride(0), out.data_ptr(), 0, N)
     return out if status == 0 else None
 

@@ -31,6 +31,8 @@ int dsv41_hc_enter(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, 
                    float *comb_out, void *h);
 void dsv41_hc_expand(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
                      const float *post, const float *comb, void *out);
+void dsv41_hc_expand_rows(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
+                          const float *post, const float *comb, void *out, int threads);
 
 /* amx.c: bf16 products on AMX tiles (N37). Weight rows per tile and activation rows per packed block. */
 #define AMX_ROWS 16

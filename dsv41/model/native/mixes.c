@@ -116,20 +116,67 @@ void dsv41_hc_expand(int64_t rows, int64_t S, int64_t D, int bf16, const void *o
         }
 }
 
-/* Σ_k a[k] · b[k] in fp32: sixteen lanes, then their sum (fast numerics' order, its licence). */
-static float dot_fp32(const float *a, const float *b, int64_t K) {
+/* `dsv41_hc_expand` of many rows split between the threads by rows: each row's steps are its own, so
+ * the same bits (a 16-row step's last expansion ran on one thread while the other waited; N39). */
+void dsv41_hc_expand_rows(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
+                          const float *post, const float *comb, void *out, int threads) {
+    const size_t width = bf16 ? 2 : 4;
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && rows > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        dsv41_hc_expand(1, S, D, bf16, (const char *)o + r * D * width, (const char *)residual + r * S * D * width,
+                        post + r * S, comb + r * S * S, (char *)out + r * S * D * width);
+}
+
+/* out[r][j] = Σ_k x[r][k] · f[j][k] in fp32 for R ≤ 2 rows of x and J ≤ 4 rows of f (K values each,
+ * contiguous): per pair two sixteen-lane sums over alternate halves of each 32 values, their lanes'
+ * sum, then the tail in order (fast numerics' order, its licence). Each pair's steps are the same
+ * whatever R and J, so its bits are; the R · J pairs side by side keep 2 · R · J multiply-add chains in
+ * flight, where one pair's two chains waited on each other's latency (N39). */
+static inline __attribute__((always_inline)) void dots(int R, int J, const float *x, const float *f, int64_t K,
+                                                       float out[2][4]) {
     int64_t k = 0;
-    float total = 0.0f;
+    float total[2][4] = {{0.0f}};
 #if defined(__AVX512F__)
-    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    __m512 s0[2][4], s1[2][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) s0[r][j] = s1[r][j] = _mm512_setzero_ps();
     for (; k + 32 <= K; k += 32) {
-        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), s0);
-        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k + 16), _mm512_loadu_ps(b + k + 16), s1);
+        __m512 a0[2], a1[2];
+        for (int r = 0; r < R; r++) {
+            a0[r] = _mm512_loadu_ps(x + r * K + k);
+            a1[r] = _mm512_loadu_ps(x + r * K + k + 16);
+        }
+        for (int j = 0; j < J; j++) {
+            const __m512 b0 = _mm512_loadu_ps(f + j * K + k), b1 = _mm512_loadu_ps(f + j * K + k + 16);
+            for (int r = 0; r < R; r++) {
+                s0[r][j] = _mm512_fmadd_ps(a0[r], b0, s0[r][j]);
+                s1[r][j] = _mm512_fmadd_ps(a1[r], b1, s1[r][j]);
+            }
+        }
     }
-    total = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) total[r][j] = _mm512_reduce_add_ps(_mm512_add_ps(s0[r][j], s1[r][j]));
 #endif
-    for (; k < K; k++) total += a[k] * b[k];
-    return total;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) {
+            float t = total[r][j];
+            for (int64_t q = k; q < K; q++) t += x[r * K + q] * f[j * K + q];
+            out[r][j] = t;
+        }
+}
+
+/* `dots` for the R × J block at runtime sizes (R ≤ 2, J ≤ 4), each size inlined. */
+static void dots_block(int R, int J, const float *x, const float *f, int64_t K, float out[2][4]) {
+    switch (R * 8 + J) {
+        case 9: dots(1, 1, x, f, K, out); break;
+        case 10: dots(1, 2, x, f, K, out); break;
+        case 11: dots(1, 3, x, f, K, out); break;
+        case 12: dots(1, 4, x, f, K, out); break;
+        case 17: dots(2, 1, x, f, K, out); break;
+        case 18: dots(2, 2, x, f, K, out); break;
+        case 19: dots(2, 3, x, f, K, out); break;
+        default: dots(2, 4, x, f, K, out); break;
+    }
 }
 
 /* Fast numerics' whole hc mix of a few rows (hyper.py `mixes`) in one call: for the flat stream
@@ -149,14 +196,21 @@ int dsv41_hc_mixes(int64_t rows, int64_t S, int64_t D, int bf16, const void *x, 
         return -1;
     }
     for (int64_t r = 0; r < rows; r++) {
-        float *xr = flat + r * K;
+        float *xr = flat + r * K, square[2][4];
         widen_row((const char *)x + r * K * (bf16 ? 2 : 4), bf16, K, xr);
-        inv[r] = 1.0f / sqrtf(dot_fp32(xr, xr, K) / (float)K + norm_eps);
+        dots(1, 1, xr, xr, K, square);
+        inv[r] = 1.0f / sqrtf(square[0][0] / (float)K + norm_eps);
     }
+    /* blocks of 2 rows × 4 of fn's: a decode row's 24 projections split between the threads */
+    const int64_t row_blocks = (rows + 1) / 2, fn_blocks = (M + 3) / 4;
     #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t q = 0; q < rows * M; q++) {
-        const int64_t r = q / M, j = q % M;
-        m[q] = dot_fp32(flat + r * K, fn + j * K, K) * inv[r];
+    for (int64_t q = 0; q < row_blocks * fn_blocks; q++) {
+        const int64_t r0 = q / fn_blocks * 2, j0 = q % fn_blocks * 4;
+        const int R = rows - r0 < 2 ? (int)(rows - r0) : 2, J = M - j0 < 4 ? (int)(M - j0) : 4;
+        float block[2][4];
+        dots_block(R, J, flat + r0 * K, fn + j0 * K, K, block);
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < J; j++) m[(r0 + r) * M + j0 + j] = block[r][j] * inv[r0 + r];
     }
     const int status = dsv41_split_mixes(rows, S, iters, m, scale, base, hc_eps, pre, post, comb);
     free(flat); free(m); free(inv);
@@ -173,11 +227,11 @@ void dsv41_rms_norm(int64_t rows, int64_t D, float eps, const void *x, int x_bf1
  * pre)) (`dsv41_hc_collapse`, then `dsv41_rms_norm` in place): the four calls the layers make one by
  * one, in their order, so the same bits, for one call's fixed cost instead of four. Returns 0, or -1
  * (the mixes could not run; h and the mixes' outputs untouched). */
-int dsv41_hc_enter(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
-                   const float *post, const float *comb, void *streams, const float *fn, const float *scale,
-                   const float *base, int64_t iters, float norm_eps, float hc_eps, int threads, const float *pre,
-                   const void *norm_weight, int norm_bf16, float eps, float *pre_out, float *post_out,
-                   float *comb_out, void *h) {
+static int enter_rows(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
+                      const float *post, const float *comb, void *streams, const float *fn, const float *scale,
+                      const float *base, int64_t iters, float norm_eps, float hc_eps, int threads, const float *pre,
+                      const void *norm_weight, int norm_bf16, float eps, float *pre_out, float *post_out,
+                      float *comb_out, void *h) {
     const void *x = residual;
     if (o != NULL) {
         dsv41_hc_expand(rows, S, D, bf16, o, residual, post, comb, streams);
@@ -189,4 +243,30 @@ int dsv41_hc_enter(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, 
     dsv41_hc_collapse(rows, S, D, bf16, x, pre, h);
     dsv41_rms_norm(rows, D, eps, h, bf16, norm_weight, norm_bf16, h);
     return 0;
+}
+
+int dsv41_hc_enter(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
+                   const float *post, const float *comb, void *streams, const float *fn, const float *scale,
+                   const float *base, int64_t iters, float norm_eps, float hc_eps, int threads, const float *pre,
+                   const void *norm_weight, int norm_bf16, float eps, float *pre_out, float *post_out,
+                   float *comb_out, void *h) {
+    if (threads < 2 || rows < 2)
+        return enter_rows(rows, S, D, bf16, o, residual, post, comb, streams, fn, scale, base, iters, norm_eps, hc_eps,
+                          threads, pre, norm_weight, norm_bf16, eps, pre_out, post_out, comb_out, h);
+    /* several rows: each thread takes whole pairs of rows through all four steps (every step is each
+     * row's own, so the same bits), instead of the threads sharing only the projections and taking turns
+     * at the rest: 16 rows' expansions, statistics, collapses and norms were ~55% of the call (N39) */
+    const size_t width = bf16 ? 2 : 4;
+    int failed = 0;
+    #pragma omp parallel for num_threads(threads) schedule(static) reduction(| : failed)
+    for (int64_t r = 0; r < rows; r += 2) {
+        const int64_t n = rows - r < 2 ? rows - r : 2;
+        failed |= enter_rows(n, S, D, bf16, o != NULL ? (const char *)o + r * D * width : NULL,
+                             (const char *)residual + r * S * D * width, post != NULL ? post + r * S : NULL,
+                             comb != NULL ? comb + r * S * S : NULL,
+                             streams != NULL ? (char *)streams + r * S * D * width : NULL, fn, scale, base, iters,
+                             norm_eps, hc_eps, 1, pre + r * S, norm_weight, norm_bf16, eps, pre_out + r * S,
+                             post_out + r * S, comb_out + r * S * S, (char *)h + r * D * width) != 0;
+    }
+    return failed ? -1 : 0;
 }

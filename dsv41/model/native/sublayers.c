@@ -119,7 +119,7 @@ int dsv41_ffn_half(int64_t N, int64_t S, int64_t D, const uint16_t *o, const uin
     if (status == 0)
         status = dsv41_moe(N, D, E, A, I, threads, h, gate, bias, route_scale, route_eps, limit, w1, w3, w2, s1, s3, s2,
                            c1, c3, c2, ids, weights, y);
-    if (status == 0) dsv41_hc_expand(N, S, D, 1, y, entered, post_ffn, comb_ffn, streams_out);
+    if (status == 0) dsv41_hc_expand_rows(N, S, D, 1, y, entered, post_ffn, comb_ffn, streams_out, mix_threads);
     free(entered); free(mixes);
     return status;
 }
