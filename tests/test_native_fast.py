@@ -1234,3 +1234,39 @@ def test_a_mutated_attention_entry_is_caught(old, new, tmp_path, monkeypatch):
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         test_a_blocks_way_into_its_attention_is_one_native_call_with_the_bits_of_two(3)
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["held", "stored"])
+def test_a_batch_decode_step_has_the_same_bits_on_one_thread_and_two(stored):
+    """The native kernels split their work between threads without changing a sum (each output, row or
+    group is one thread's, in one order): decode steps of 9 rows (the fused block calls, experts' groups
+    of 1 to 9 rows on the dot products and the tiles, the head) of a model wide enough that its products
+    take both threads give the same logits on one thread and on two."""
+    from helpers import MAX_SEQ, binding_config, token_ids, without_dspark
+    cfg = without_dspark(binding_config(dim=256, moe_inter_dim=128, q_lora_rank=128, o_lora_rank=64,
+                                        n_routed_experts=8, vocab_size=512))
+    assert cfg.dim * cfg.q_lora_rank >= native.GEMV_THREAD_FROM          # the products take both threads
+    runtime = RuntimeConfig(max_seq_len=MAX_SEQ, numerics="fast", dtype="bfloat16", stored_experts=stored)
+    model = init_random_(Transformer(cfg, runtime), 3)
+    ids = token_ids(9, 24, cfg.vocab_size)
+    before, logits = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            cache = model.new_cache(9, MAX_SEQ)
+            with torch.inference_mode():
+                model(ids[:, :18], 0, cache)
+                logits.append(torch.stack([model.logits(model(ids[:, p:p + 1], p, cache).hidden[:, -1])
+                                           for p in range(18, 24)]))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_a_kernel_whose_bits_follow_the_threads_is_caught_by_the_batch_step(tmp_path, monkeypatch):
+    """A sublayer entry whose row pairs (one per thread) all take the first pair's pre."""
+    lib = mutated_library("mixes.c", "norm_eps, hc_eps, 1, pre + r * S,", "norm_eps, hc_eps, 1, pre,", tmp_path,
+                          monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        test_a_batch_decode_step_has_the_same_bits_on_one_thread_and_two(False)
