@@ -377,14 +377,20 @@ def attention_formula(q, pool, rows, sink, scale):
     return out
 
 
+# (heads, head width): the scalar loops (a width not a multiple of 32), and the AVX-512 path's head
+# groups of 8, 2 and 4 (N39)
+ATTENTION_SHAPES = [(4, 40), (8, 64), (6, 32), (4, 96)]
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: f"H{s[0]}-Dh{s[1]}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_sparse_attention_is_the_softmax_with_its_sink(dtype, monkeypatch):
+def test_native_sparse_attention_is_the_softmax_with_its_sink(dtype, shape, monkeypatch):
     """A decode step's attention without blocks (fast numerics), through attention.py: the float64
     formula within fp32 error (fp32) or one bf16 rounding (bf16), with unlisted entries, a row listed
     twice, a query with no row (zeros) and more than one batch row."""
     from dsv41.model.attention import sparse_attention
     g = torch.Generator().manual_seed(12)
-    B, T, H, Dh, N, n = 2, 3, 4, 40, 50, 9
+    (H, Dh), (B, T, N, n) = shape, (2, 3, 50, 9)
     q = torch.randn(B, T, H, Dh, generator=g).to(dtype)
     pool = torch.randn(B, N, Dh, generator=g).to(dtype)
     rows = torch.randint(0, N, (B, T, n), generator=g)
@@ -406,17 +412,22 @@ def test_native_sparse_attention_is_the_softmax_with_its_sink(dtype, monkeypatch
 
 @pytest.mark.parametrize("old, new", [
     ("denom += expf(sink[h] - m);", "denom += 0.0f;"),                   # the sink left out of the denominator
-    # the rows' weights in AVX-512 lanes taken without the max (the sink's keeps it)
+    # the AVX-512 path: the same, the rows' weights taken without the max (the sink's keeps it), the
+    # second of two rows scored as the first, a group's heads all summed with the first head's weights
+    ("denom[h] += expf(sink[h0 + h] - m);", "denom[h] += 0.0f;"),
     ("_mm512_set1_ps(m))));", "_mm512_set1_ps(0.0f))));"),
+    ("k1 = _mm512_loadu_ps(kvs + (j + two) * Dh + d);", "k1 = _mm512_loadu_ps(kvs + j * Dh + d);"),
+    ("_mm512_set1_ps(p[h * n + j]);", "_mm512_set1_ps(p[j]);"),
 ])
 def test_a_mutated_sparse_attention_is_caught(old, new, tmp_path, monkeypatch):
-    """Off the formula either way."""
-    if "_mm512" in old and not _cpu_has("avx512f"):
+    """Off the formula every way."""
+    lanes = old != "denom += expf(sink[h] - m);"
+    if lanes and not _cpu_has("avx512f"):
         pytest.skip("this CPU builds attention.c without AVX-512 lanes")
     lib = mutated_library("attention.c", old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
-        test_native_sparse_attention_is_the_softmax_with_its_sink(torch.float32, monkeypatch)
+        test_native_sparse_attention_is_the_softmax_with_its_sink(torch.float32, (8, 64) if lanes else (4, 40), monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
