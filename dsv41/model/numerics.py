@@ -352,9 +352,9 @@ class Numerics:
         with AMX tiles multiply there instead, bf16 by bf16 into fp32 sums (the products exact, as
         widened; the sums the tiles' order, as the layers' products past those rows; N39): the fp32
         product of 16 rows ran at a fifth of the multiply-adds the machine has."""
-        if (x.dtype == weight.dtype == torch.bfloat16 and not self.invariant and x.dim() >= 2
-                and x.numel() > NATIVE_GEMV_ROWS * x.shape[-1] and native.amx_products()
-                and self._native_product(x, weight)):
+        if (x.dtype == weight.dtype == torch.bfloat16 and not self.invariant
+                and x.numel() > NATIVE_GEMV_ROWS * x.shape[-1] and self._native_product(x, weight)
+                and native.amx_products()):
             out = native.linear(x, weight, out_dtype=torch.float32)
             if out is not None:
                 return out
