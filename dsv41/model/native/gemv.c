@@ -680,29 +680,16 @@ static void expert_tile(int dot, const void *xs, int64_t m, int64_t K, const voi
     }
 }
 
-#if defined(EXP_LANES) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SWIGLU_LANES 1
-/* fp32 lanes → bf16 to nearest even, as `float_to_bf16` (a NaN stays a quiet NaN). */
-static inline __m256i bf16_lanes(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_srli_epi32(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)), 16));
-    return _mm512_cvtepi32_epi16(rounded);
-}
-#endif
-
 /* One pair's hidden row (I values): h = silu(min(g, limit)) · clamp(u, ±limit) · weight (limit ≤ 0: no
- * clamp), rounded to the banks' dtype, into h (bf16 for the dot products, else fp32). With AVX-512, 16
- * values at a time and exp by `exp_lanes` (exp.h): a 16-token layer's 49k scalar expf calls took 0.17
- * of its ~2.9 ms (N39). Each value's steps are its own, so a value's bits do not depend on its lane. */
-static void swiglu_row(const float *gate, const float *up, int64_t I, float limit, float weight, int w_bf16, int dot,
+ * clamp), computed in place over `gate`, then rounded to the banks' dtype into h (bf16 for the dot
+ * products, else fp32). With AVX-512, 16 values at a time and exp by `exp_lanes` (exp.h): a 16-token
+ * layer's 49k scalar expf calls took 0.17 of its ~2.9 ms (N39). Each value's steps are its own, so a
+ * value's bits do not depend on its lane. */
+static void swiglu_row(float *gate, const float *up, int64_t I, float limit, float weight, int w_bf16, int dot,
                        void *h) {
-    int64_t i = 0;
-#if defined(SWIGLU_LANES)
+#if defined(EXP_LANES)
     const __m512 one = _mm512_set1_ps(1.0f), top = _mm512_set1_ps(limit), bottom = _mm512_set1_ps(-limit);
-    for (; i < I; i += 16) {
+    for (int64_t i = 0; i < I; i += 16) {
         const __mmask16 lanes = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1u);
         __m512 g = _mm512_maskz_loadu_ps(lanes, gate + i), u = _mm512_maskz_loadu_ps(lanes, up + i);
         if (limit > 0.0f) {
@@ -710,23 +697,21 @@ static void swiglu_row(const float *gate, const float *up, int64_t I, float limi
             u = _mm512_min_ps(_mm512_max_ps(u, bottom), top);
         }
         const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_lanes(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        const __m512 v = _mm512_mul_ps(_mm512_mul_ps(silu, u), _mm512_set1_ps(weight));
-        const __m256i b = bf16_lanes(v);
-        if (dot) _mm256_mask_storeu_epi16((uint16_t *)h + i, lanes, b);
-        else if (w_bf16) _mm512_mask_storeu_ps((float *)h + i, lanes, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
-        else _mm512_mask_storeu_ps((float *)h + i, lanes, v);
+        _mm512_mask_storeu_ps(gate + i, lanes, _mm512_mul_ps(_mm512_mul_ps(silu, u), _mm512_set1_ps(weight)));
     }
-#endif
-    for (; i < I; i++) {
+#else
+    for (int64_t i = 0; i < I; i++) {
         float g = gate[i], u = up[i];
         if (limit > 0.0f) {
             g = g < limit ? g : limit;
             u = u < -limit ? -limit : (u > limit ? limit : u);
         }
-        const float v = round_to(g / (1.0f + expf(-g)) * u * weight, w_bf16);
-        if (dot) ((uint16_t *)h)[i] = float_to_bf16(v);
-        else ((float *)h)[i] = v;
+        gate[i] = g / (1.0f + expf(-g)) * u * weight;
     }
+#endif
+    if (dot) narrow_row(gate, I, 1, h);
+    else
+        for (int64_t i = 0; i < I; i++) ((float *)h)[i] = round_to(gate[i], w_bf16);
 }
 
 /* A pair's token: routed pairs hold t · A + a (their routing weight's index), the shared expert's −1 − t. */
