@@ -103,11 +103,27 @@ def test_amx_stored_expert_groups_are_the_held_banks_bits():
     check_stored_groups()
 
 
+def check_stored_pairs() -> None:
+    """9 tokens on 2 of 8 experts, every expert's group 2, 3 or 4 rows: a stored bank's groups past one row
+    multiply on the tiles (N40), a held bank's up to 4 rows by the dot products. Both sums are exact here
+    (fp4 values times bf16 activations of one scale), so the two orders give one answer."""
+    x, _, weights, stored = stored_case(9, 2, 8, 128, 96, seed=41)
+    ids = torch.tensor([[0, 3], [0, 3], [1, 3], [1, 3], [1, 4], [2, 4], [2, 4], [2, 5], [2, 5]])
+    banks, scales = [q for q, _ in stored], tuple(s for _, s in stored)
+    got = native.routed_experts(x, ids, weights[:, :2], *banks, 6.0, scales=scales, dtype=torch.bfloat16)
+    assert torch.equal(got, native.routed_experts(x, ids, weights[:, :2], *held_banks(stored), 6.0))
+
+
+def test_amx_stored_expert_groups_of_two_to_four_rows_are_the_held_banks_bits():
+    check_stored_pairs()
+
+
 @pytest.mark.parametrize("old, new, checks", [
     # a pair's values taken from the pair before it (every odd pair)
     ("row + 2 * q, 2 * sizeof", "row + 2 * (q / 2 * 2), 2 * sizeof", (check_products, check_experts)),
     # a stored block decoded into the slot the tiles are about to load, not the other one
-    ("slots[(k / 32 + 1) % 2]", "slots[(k / 32) % 2]", (check_stored_groups,)),
+    # (a stored group of 2 to 4 rows is caught only if it runs on the tiles)
+    ("slots[(k / 32 + 1) % 2]", "slots[(k / 32) % 2]", (check_stored_groups, check_stored_pairs)),
 ])
 def test_a_mutated_amx_kernel_is_caught(old, new, checks, tmp_path, monkeypatch):
     lib = mutated_library("amx.c", old, new, tmp_path, monkeypatch)

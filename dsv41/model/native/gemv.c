@@ -34,6 +34,10 @@
 /* Most activation rows of a bf16 product that take the dot products where AMX tiles are there (N37):
  * past them the tiles, whose cost barely grows with the rows (the dot products' grows with each). */
 #define AMX_FROM_ROWS 4
+/* The same for a routed expert's group of rows from a stored fp4 bank: its tile decodes each block once
+ * for all the group's rows beside the tiles (N38), where the dot products decode it once and then pay a
+ * vdpbf16ps per row, so the tiles win from 2 rows (N40). */
+#define AMX_STORED_FROM_ROWS 1
 /* Columns of the routed experts' sum a thread adds at a time: two threads share a dim-1024 row. */
 #define SUM_SPAN 128
 
@@ -646,9 +650,10 @@ void dsv41_fp4_rows(int64_t rows, int64_t K, int bf16, int threads, const uint8_
  * banks' dtype, as one more expert after the last: every token through it at weight 1, its output added
  * after the token's routed ones (moe.py's `y + shared`, the same bits as a second call accumulating).
  * Pairs of one expert run together, up to MAX_ROWS at a time, so each chosen expert's weights are read once;
- * with bf16 operands and AMX tiles (N37), a group of more than AMX_FROM_ROWS rows (up to 4 · AMX_ROWS)
- * multiplies on the tiles, a smaller one by the dot products: a pair's bits then depend on how many rows
- * its expert has in the call, whether past AMX_FROM_ROWS or not, and on nothing else.
+ * with bf16 operands and AMX tiles (N37), a group of more than AMX_FROM_ROWS rows (AMX_STORED_FROM_ROWS
+ * for a stored bank's expert; up to 4 · AMX_ROWS) multiplies on the tiles, a smaller one by the dot
+ * products: a pair's bits then depend on how many rows its expert has in the call, whether past that
+ * cut-off or not, and on nothing else.
  * Returns 0, or -1 (an id of E or more, or an allocation failed; `out` untouched).
  */
 /* Rows j0 … j0 + TILE − 1 (those below `rows`) of one expert's weight `w` [rows, K] against the m ≤ MAX_ROWS
@@ -807,9 +812,10 @@ static inline void bank_tile(int dot, const void *xs, int64_t m, int64_t K, cons
 }
 
 /* Whether an expert's group of m rows multiplies on AMX tiles (`amx`: the call's operands are bf16 and
- * the tiles are there; N37): past AMX_FROM_ROWS rows, where the dot products' cost grows with the rows. */
-static inline int amx_group(int amx, int64_t m) {
-    return amx && m > AMX_FROM_ROWS;
+ * the tiles are there; N37): past AMX_FROM_ROWS rows of a held bank, where the dot products' cost grows
+ * with the rows, or AMX_STORED_FROM_ROWS of a stored one (`stored`). */
+static inline int amx_group(int amx, int64_t m, int stored) {
+    return amx && m > (stored ? AMX_STORED_FROM_ROWS : AMX_FROM_ROWS);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -906,7 +912,10 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
         return -1;
     }
     first[0] = 0;
-    for (int64_t g = 0; g < G; g++) first[g + 1] = first[g] + (amx_group(amx, group[g + 1] - group[g]) ? AMX_BLOCKS(group[g + 1] - group[g]) : 0);
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t m = group[g + 1] - group[g];
+        first[g + 1] = first[g] + (amx_group(amx, m, c1 != NULL && pair[2 * group[g]] != E) ? AMX_BLOCKS(m) : 0);
+    }
     const int64_t Dp = AMX_PADDED(D), Ip = AMX_PADDED(I), Wp = Dp > Ip ? Dp : Ip;
     uint16_t *bx = NULL, *bh = NULL, *tiles = NULL;
     float *sums = NULL;
