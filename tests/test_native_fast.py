@@ -430,6 +430,45 @@ def test_a_mutated_sparse_attention_is_caught(old, new, tmp_path, monkeypatch):
         test_native_sparse_attention_is_the_softmax_with_its_sink(torch.float32, (8, 64) if lanes else (4, 40), monkeypatch)
 
 
+def check_pool_in_parts() -> None:
+    """A one-row call's pool in three parts (a decode step's rings, its own rows, its compressed rows),
+    listed across every boundary between them: the bits of the parts concatenated, and the formula."""
+    g = torch.Generator().manual_seed(40)
+    T, H, Dh = 3, 8, 64
+    # views into one buffer with rows between them, so that a kernel reading the wrong rows reads values
+    # (other than the listed ones), not past an allocation
+    store = torch.randn(100, Dh, generator=g).to(torch.bfloat16)
+    parts = [store[0:24], store[40:43], store[60:70]]
+    pool = torch.cat(parts)[None]
+    q = torch.randn(1, T, H, Dh, generator=g).to(torch.bfloat16)
+    rows = torch.randint(0, 37, (1, T, 30), generator=g)
+    rows[0, 0, :6] = torch.tensor([23, 24, 26, 27, 36, -1])          # the last and first rows of each part
+    sink = torch.randn(H, generator=g)
+    got = native.sparse_attention(q, parts, rows, sink, 0.125, -1e30)
+    assert torch.equal(got, native.sparse_attention(q, pool, rows, sink, 0.125, -1e30))
+    want = attention_formula(q, pool, rows, sink, 0.125)
+    assert ((got.double() - want).abs() <= 2.0 ** -8 * (want.abs() + 1)).all()
+
+
+def test_native_sparse_attention_reads_a_pool_in_parts_where_they_lie():
+    check_pool_in_parts()
+    # a call of several rows takes its pool whole
+    q = torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16)
+    assert native.sparse_attention(q, [torch.zeros(4, 64, dtype=torch.bfloat16)] * 2, torch.zeros(2, 1, 2, dtype=torch.long),
+                                   torch.zeros(8), 0.125, -1e30) is None
+
+
+@pytest.mark.parametrize("old, new", [
+    ("row >= pool->end[i]", "row > pool->end[i]"),                        # a part's first row read from the part before
+    ("(row - first) * pool->Dh", "row * pool->Dh"),                       # a later part's rows counted from the pool's start
+])
+def test_a_mutated_pool_in_parts_is_caught(old, new, tmp_path, monkeypatch):
+    lib = mutated_library("attention.c", old, new, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        check_pool_in_parts()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_rms_norm_is_the_formula(dtype, monkeypatch):
     """Fast numerics' decode-row RMSNorm through the module: the float64 formula within fp32 error

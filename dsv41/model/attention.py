@@ -80,9 +80,11 @@ def _gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return pool.reshape(B * P, Dh)[flat].float()
 
 
-def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor,
+def sparse_attention(q: torch.Tensor, pool: torch.Tensor | list[torch.Tensor], rows: torch.Tensor, sink: torch.Tensor,
                      scale: float, numerics: Numerics) -> torch.Tensor:
     """Attention of q [B, T, H, Dh] over the listed rows [B, T, n] of pool [B, N, Dh] with a sink (§11.7).
+    For B = 1 the pool may be the list of its parts [Nᵢ, Dh]: a native kernel reads them where they lie,
+    anything else concatenates them first.
 
     K = V (one latent); the sink sits in the denominator only, in scaled-logit units; rows of −1 are
     ignored; a query with no row returns zeros. With an attention block (reference numerics, invariant
@@ -96,6 +98,8 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, si
     whole = numerics.sparse_attention(q, pool, rows, sink, scale, SCORE_FLOOR)
     if whole is not None:
         return whole
+    if not torch.is_tensor(pool):
+        pool = torch.cat(pool)[None]
     B, T, H, _ = q.shape
     block = numerics.attention_block
     if block is None and pool.shape[1] <= POOL_SCORES_FACTOR * rows.shape[-1]:
@@ -209,7 +213,7 @@ class Attention(nn.Module):
             pool.append(compressed)
             rows = torch.cat([rows, listed], dim=-1)
 
-        o = sparse_attention(q, torch.cat(pool)[None], rows[None], self.attn_sink, self.softmax_scale, self.numerics)
+        o = sparse_attention(q, pool, rows[None], self.attn_sink, self.softmax_scale, self.numerics)
         cache.write_window(layer, kv[0], step)
         left = self.numerics.attention_out(o, phases, self.wo_a.weight, self.o_groups, self.wo_b.weight)  # trap 11
         if left is not None:

@@ -413,15 +413,17 @@ class Numerics:
             return None
         return native.rms_norm(x, weight, eps)
 
-    def sparse_attention(self, q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor,
-                         scale: float, floor: float) -> torch.Tensor | None:
+    def sparse_attention(self, q: torch.Tensor, pool: torch.Tensor | list[torch.Tensor], rows: torch.Tensor,
+                         sink: torch.Tensor, scale: float, floor: float) -> torch.Tensor | None:
         """attention.py's `sparse_attention` in one native call where the policy has no attention blocks
         (fast numerics) and the call is a decode step's (at most `NATIVE_POSITIONS` query positions, no
-        autograd); None where it leaves it to attention.py (docs/NUMERICS.md N17)."""
+        autograd); None where it leaves it to attention.py (docs/NUMERICS.md N17). The pool may be the
+        list of its parts (`native.sparse_attention`)."""
         if not (self.native and self.attention_block is None and q.is_cpu
                 and q.shape[0] * q.shape[1] <= NATIVE_POSITIONS):
             return None
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, pool, sink)):
+        parts = [pool] if torch.is_tensor(pool) else pool
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, *parts, sink)):
             return None
         return native.sparse_attention(q, pool, rows, sink, scale, floor)
 

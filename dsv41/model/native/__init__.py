@@ -46,6 +46,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import shutil
@@ -162,8 +163,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_gemv_exact_kn.restype = ctypes.c_int
     lib.dsv41_gemv_exact_kn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.dsv41_sparse_attention.restype = ctypes.c_int
-    lib.dsv41_sparse_attention.argtypes = ([ctypes.c_int64] * 6 + [ctypes.c_int] + [ctypes.c_void_p, ctypes.c_int] * 2
-                                           + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int])
+    lib.dsv41_sparse_attention.argtypes = ([ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+                                           + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
+                                           + [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int])
     lib.dsv41_gather_compressed.restype = ctypes.c_int
     lib.dsv41_gather_compressed.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
     lib.dsv41_rms_norm.restype = None
@@ -402,23 +404,30 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, exact: bool = Fals
                           x.data_ptr(), x_sp, x_sm, w.data_ptr(), w_sp, w_sn, out.data_ptr(), o_sp, o_sm) == 0
 
 
-def sparse_attention(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor, scale: float,
-                     floor: float) -> torch.Tensor | None:
+def sparse_attention(q: torch.Tensor, pool: torch.Tensor | list[torch.Tensor], rows: torch.Tensor, sink: torch.Tensor,
+                     scale: float, floor: float) -> torch.Tensor | None:
     """attention.py's `sparse_attention` without blocks (one fp32 softmax per query and head, with the
     sink): q [B, T, H, Dh] over the listed rows [B, T, n] (−1: none; the model's own indices, below
-    N) of pool [B, N, Dh], bf16 or fp32, → q's dtype. None where the kernel is not available."""
+    N) of pool [B, N, Dh], bf16 or fp32, → q's dtype. For B = 1 the pool may be a list of parts [Nᵢ, Dh]
+    of one dtype, read where they lie as if concatenated (a decode step's rings, its rows and its
+    compressed rows, N40). None where the kernel is not available or does not take the pool."""
     lib = _library()
-    if lib is None or q.dtype not in _GEMV_DTYPES or pool.dtype not in _GEMV_DTYPES:
+    parts = [pool] if torch.is_tensor(pool) else [p.contiguous() for p in pool]
+    if lib is None or q.dtype not in _GEMV_DTYPES or parts[0].dtype not in _GEMV_DTYPES:
         return None
-    q, pool, rows = q.contiguous(), pool.contiguous(), rows.to(torch.int64).contiguous()
-    sink = sink.float().contiguous()
-    (B, T, H, Dh), N, n = q.shape, pool.shape[1], rows.shape[-1]
+    (B, T, H, Dh), n = q.shape, rows.shape[-1]
+    if len(parts) > 1 and (B != 1 or any(p.dtype != parts[0].dtype or p.shape[1:] != (Dh,) for p in parts)):
+        return None
+    parts[0] = parts[0].contiguous()
+    ends = list(itertools.accumulate(p.numel() // Dh for p in parts))
+    q, rows, sink = q.contiguous(), rows.to(torch.int64).contiguous(), sink.float().contiguous()
     out = torch.empty_like(q)
     threads = torch.get_num_threads() if B * T * H * n * Dh >= GEMV_THREAD_FROM and B * T > 1 else 1
     bf16 = torch.bfloat16
-    status = lib.dsv41_sparse_attention(B, T, H, Dh, N, n, threads, q.data_ptr(), q.dtype == bf16, pool.data_ptr(),
-                                        pool.dtype == bf16, rows.data_ptr(), sink.data_ptr(), scale, floor,
-                                        out.data_ptr(), out.dtype == bf16)
+    status = lib.dsv41_sparse_attention(B, T, H, Dh, ends[-1] // B, n, threads, q.data_ptr(), q.dtype == bf16, len(parts),
+                                        (ctypes.c_int64 * len(parts))(*(p.data_ptr() for p in parts)),
+                                        (ctypes.c_int64 * len(parts))(*ends), parts[0].dtype == bf16, rows.data_ptr(),
+                                        sink.data_ptr(), scale, floor, out.data_ptr(), out.dtype == bf16)
     return out if status == 0 else None
 
 

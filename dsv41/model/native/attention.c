@@ -7,6 +7,8 @@
  *   out[r, h] = Σ_j exp(z_j − m) · pool[b, j] / (Σ_j exp(z_j − m) + exp(sink[h] − m)),
  * in fp32, summed in this kernel's order (fast numerics' licence); a query with no listed row gets 0.
  * q, pool and out are bf16 or fp32 (each its own flag), rows int64 [B, T, n], sink fp32 [H].
+ * The pool of a call with one batch row may come in parts read where they lie (a decode step's window
+ * rings, its own rows and the compressed rows: no copy of them into one tensor first, N40).
  */
 #include <math.h>
 #include <stdint.h>
@@ -106,14 +108,30 @@ static inline __attribute__((always_inline)) void attend_group(int G, int64_t h0
 }
 #endif
 
+/* A pool of rows [Σ parts, Dh] held in `parts` pieces: piece i's rows (end[i − 1] … end[i] − 1 of the
+ * pool) start at at[i]; rows of `width` bytes a value. */
+typedef struct {
+    int64_t parts;
+    const int64_t *at, *end;
+    int64_t Dh;
+    size_t width;
+} Pool;
+
+static inline const char *pool_row(const Pool *pool, int64_t row) {
+    int64_t i = 0;
+    while (i + 1 < pool->parts && row >= pool->end[i]) i++;
+    const int64_t first = i == 0 ? 0 : pool->end[i - 1];
+    return (const char *)(intptr_t)pool->at[i] + (size_t)((row - first) * pool->Dh) * pool->width;
+}
+
 /* One query row's H heads. kvs [n, Dh] receives its listed pool rows widened (once for every head),
  * z [H, n] the scores, qv and acc [H, Dh]. */
 static void attend_row(int64_t H, int64_t Dh, int64_t n, const void *q, int q_bf16, size_t q_width, int64_t q_at,
-                       const void *pool, int pool_bf16, size_t pool_width, int64_t pool_at, const int64_t *rows,
+                       const Pool *pool, int pool_bf16, int64_t pool_at, const int64_t *rows,
                        const float *sink, float scale, float floor, void *out, int out_bf16, size_t out_width,
                        float *kvs, float *z, float *qv, float *acc) {
     for (int64_t j = 0; j < n; j++) {
-        if (rows[j] >= 0) widen_row((const char *)pool + (pool_at + rows[j] * Dh) * pool_width, pool_bf16, Dh, kvs + j * Dh);
+        if (rows[j] >= 0) widen_row(pool_row(pool, pool_at + rows[j]), pool_bf16, Dh, kvs + j * Dh);
         else memset(kvs + j * Dh, 0, (size_t)Dh * sizeof(float));     /* scored with the rest, never read */
     }
 #if defined(EXP_LANES)
@@ -160,12 +178,15 @@ static void attend_row(int64_t H, int64_t Dh, int64_t n, const void *q, int q_bf
     }
 }
 
-/* q [B, T, H, Dh], pool [B, N, Dh], rows [B, T, n] (entries in −1 … N−1: the caller checks), out like q.
+/* q [B, T, H, Dh], pool [B, N, Dh] in `parts` pieces (part_at: their addresses, part_end: the row after
+ * each, the last B · N), rows [B, T, n] (entries in −1 … N−1: the caller checks), out like q.
  * Returns 0, or -1 if scratch could not be had (out untouched). */
 int dsv41_sparse_attention(int64_t B, int64_t T, int64_t H, int64_t Dh, int64_t N, int64_t n, int threads,
-                           const void *q, int q_bf16, const void *pool, int pool_bf16, const int64_t *rows,
-                           const float *sink, float scale, float floor, void *out, int out_bf16) {
+                           const void *q, int q_bf16, int64_t parts, const int64_t *part_at, const int64_t *part_end,
+                           int pool_bf16, const int64_t *rows, const float *sink, float scale, float floor, void *out,
+                           int out_bf16) {
     const int64_t R = B * T;
+    const Pool pool = {parts, part_at, part_end, Dh, pool_bf16 ? 2 : 4};
     if (threads < 1) threads = 1;
     if (threads > R) threads = (int)R;
     int failed = 0;
@@ -175,9 +196,9 @@ int dsv41_sparse_attention(int64_t B, int64_t T, int64_t H, int64_t Dh, int64_t 
         float *scratch = malloc(sizeof(float) * (size_t)(n * Dh + H * n + 2 * H * Dh));
         if (scratch == NULL) failed = 1;
         for (int64_t r = span.begin; scratch != NULL && r < span.end; r++)
-            attend_row(H, Dh, n, q, q_bf16, q_bf16 ? 2 : 4, r * H * Dh, pool, pool_bf16, pool_bf16 ? 2 : 4,
-                       (r / T) * N * Dh, rows + r * n, sink, scale, floor, out, out_bf16, out_bf16 ? 2 : 4, scratch,
-                       scratch + n * Dh, scratch + n * Dh + H * n, scratch + n * Dh + H * n + H * Dh);
+            attend_row(H, Dh, n, q, q_bf16, q_bf16 ? 2 : 4, r * H * Dh, &pool, pool_bf16, (r / T) * N, rows + r * n,
+                       sink, scale, floor, out, out_bf16, out_bf16 ? 2 : 4, scratch, scratch + n * Dh,
+                       scratch + n * Dh + H * n, scratch + n * Dh + H * n + H * Dh);
         free(scratch);
     }
     return failed ? -1 : 0;
