@@ -1313,10 +1313,16 @@ def test_a_batch_decode_step_has_the_same_bits_on_one_thread_and_two(stored):
     assert torch.equal(logits[0], logits[1])
 
 
-def test_a_kernel_whose_bits_follow_the_threads_is_caught_by_the_batch_step(tmp_path, monkeypatch):
-    """A sublayer entry whose row pairs (one per thread) all take the first pair's pre."""
-    lib = mutated_library("mixes.c", "norm_eps, hc_eps, 1, pre + r * S,", "norm_eps, hc_eps, 1, pre,", tmp_path,
-                          monkeypatch)
+@pytest.mark.parametrize("source, old, new, stored", [
+    # a sublayer entry whose row pairs (one per thread) all take the first pair's pre
+    ("mixes.c", "norm_eps, hc_eps, 1, pre + r * S,", "norm_eps, hc_eps, 1, pre,", False),
+    # the experts' gate and up tiles split by cost (N40) with the first thread's share one tile short
+    ("gemv.c", "gu_end = tile_at(G, I_units, prefix, cost, index + 1, nt);",
+     "gu_end = tile_at(G, I_units, prefix, cost, index + 1, nt) - (index + 1 < nt);", True),
+])
+def test_a_kernel_whose_bits_follow_the_threads_is_caught_by_the_batch_step(source, old, new, stored, tmp_path,
+                                                                           monkeypatch):
+    lib = mutated_library(source, old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
-        test_a_batch_decode_step_has_the_same_bits_on_one_thread_and_two(False)
+        test_a_batch_decode_step_has_the_same_bits_on_one_thread_and_two(stored)

@@ -40,6 +40,11 @@
 #define AMX_STORED_FROM_ROWS 1
 /* Columns of the routed experts' sum a thread adds at a time: two threads share a dim-1024 row. */
 #define SUM_SPAN 128
+/* A held expert's tile of rows costs a thread about this many of a stored one's (4× the bytes, no
+ * decoding): the threads split the experts' tiles by this cost. Measured per thread on a 16-token stored
+ * step (N40): at 2 the last thread, which holds the shared expert, still took ~5% longer, at 4 the first
+ * ~10% longer. */
+#define HELD_TILE_COST 2.7
 
 typedef struct {
     int64_t P, M, N, K;
@@ -719,6 +724,19 @@ static void swiglu_row(float *gate, const float *up, int64_t I, float limit, flo
         for (int64_t i = 0; i < I; i++) ((float *)h)[i] = round_to(gate[i], w_bf16);
 }
 
+/* The first of `units` tiles per group that this thread takes among G groups whose tiles cost cost[g]
+ * each (prefix[g]: the cost of the groups before g), so that the threads' shares cost alike: for thread
+ * t of nt, the tile where the cost t/nt of the total falls. A stored step's shared expert (held, last)
+ * gave the last thread ~7% more time than the first under a split by count (N40). */
+static int64_t tile_at(int64_t G, int64_t units, const double *prefix, const double *cost, int t, int nt) {
+    if (t >= nt || G == 0) return G * units;
+    const double at = prefix[G] * t / nt;
+    int64_t g = 0;
+    while (g + 1 < G && prefix[g + 1] <= at) g++;
+    const int64_t u = (int64_t)((at - prefix[g]) / cost[g] + 0.5);
+    return g * units + (u < units ? u : units);
+}
+
 /* A pair's token: routed pairs hold t · A + a (their routing weight's index), the shared expert's −1 − t. */
 static inline int64_t pair_token(int64_t at, int64_t A) {
     return at >= 0 ? at / A : -1 - at;
@@ -907,9 +925,15 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
     /* the AMX groups' packed activation blocks (x for gate and up, then h for down), each group's from
      * block `first[g]` on, and one scratch tile per thread */
     int64_t *first = malloc((size_t)(G + 1) * sizeof(int64_t));
-    if (first == NULL) {
-        free(pair); free(group); free(gate); free(xg); free(scratch);
+    double *prefix = malloc((size_t)(2 * G + 1) * sizeof(double)), *cost = prefix + G + 1;
+    if (first == NULL || prefix == NULL) {
+        free(pair); free(group); free(gate); free(xg); free(scratch); free(first); free(prefix);
         return -1;
+    }
+    prefix[0] = 0.0;
+    for (int64_t g = 0; g < G; g++) {
+        cost[g] = c1 != NULL && pair[2 * group[g]] != E ? 1.0 : HELD_TILE_COST;
+        prefix[g + 1] = prefix[g] + cost[g];
     }
     first[0] = 0;
     for (int64_t g = 0; g < G; g++) {
@@ -925,7 +949,8 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
         tiles = calloc((size_t)(threads * AMX_ROWS * Wp), sizeof(uint16_t));
         sums = malloc((size_t)(threads * 4 * AMX_ROWS * AMX_ROWS) * sizeof(float));
         if (bx == NULL || bh == NULL || tiles == NULL || sums == NULL) {
-            free(pair); free(group); free(gate); free(xg); free(scratch); free(first); free(bx); free(bh); free(tiles); free(sums);
+            free(pair); free(group); free(gate); free(xg); free(scratch); free(first); free(prefix); free(bx); free(bh);
+            free(tiles); free(sums);
             return -1;
         }
     }
@@ -941,6 +966,10 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
     {
         float acc[MAX_ROWS][TILE];
         const int index = thread_span(0).index;
+        int nt = 1;
+#if defined(_OPENMP)
+        nt = omp_get_num_threads();
+#endif
         void *tile = scratch != NULL ? scratch + (size_t)(index * TILE * widest) * sizeof(float) : NULL;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         uint16_t *mine = tiles != NULL ? tiles + index * AMX_ROWS * Wp : NULL;
@@ -953,8 +982,9 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
             if (first[g + 1] > first[g])
                 dsv41_amx_pack(group[g + 1] - group[g], D, (const uint16_t *)xg + group[g] * D, D, bx + first[g] * Dp * AMX_ROWS);
 #endif
-        #pragma omp for schedule(static)
-        for (int64_t r = 0; r < G * I_units; r++) {          /* gate and up: `unit` rows of w1 and w3 */
+        /* gate and up: `unit` rows of w1 and w3, each thread a run of tiles of one share of the cost */
+        const int64_t gu_end = tile_at(G, I_units, prefix, cost, index + 1, nt);
+        for (int64_t r = tile_at(G, I_units, prefix, cost, index, nt); r < gu_end; r++) {
             const int64_t g = r / I_units, i1 = (r % I_units) * unit, p0 = group[g], m = group[g + 1] - p0, e = pair[2 * p0];
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
             if (first[g + 1] > first[g]) {
@@ -976,6 +1006,7 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
                     for (int64_t j = 0; j < TILE && i0 + j < I; j++) up[(p0 + k) * I + i0 + j] = round_to(acc[k][j], w_bf16);
             }
         }
+        #pragma omp barrier
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) {                    /* h = SwiGLU · routing weight, rounded */
             const int64_t at = pair[2 * p + 1];
@@ -988,8 +1019,8 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
             if (first[g + 1] > first[g])
                 dsv41_amx_pack(group[g + 1] - group[g], I, (const uint16_t *)hg + group[g] * I, I, bh + first[g] * Ip * AMX_ROWS);
 #endif
-        #pragma omp for schedule(static)
-        for (int64_t r = 0; r < G * D_units; r++) {          /* down: `unit` rows of w2 */
+        const int64_t down_end = tile_at(G, D_units, prefix, cost, index + 1, nt);
+        for (int64_t r = tile_at(G, D_units, prefix, cost, index, nt); r < down_end; r++) {    /* down: `unit` rows of w2 */
             const int64_t g = r / D_units, d1 = (r % D_units) * unit, p0 = group[g], m = group[g + 1] - p0, e = pair[2 * p0];
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
             if (first[g + 1] > first[g]) {
@@ -1004,6 +1035,7 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
                     for (int64_t j = 0; j < TILE && d0 + j < D; j++) y[(p0 + k) * D + d0 + j] = round_to(acc[k][j], w_bf16);
             }
         }
+        #pragma omp barrier
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         if (amx) dsv41_amx_end();
 #endif
@@ -1022,6 +1054,7 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
             }
         }
     }
-    free(pair); free(group); free(gate); free(xg); free(scratch); free(first); free(bx); free(bh); free(tiles); free(sums);
+    free(pair); free(group); free(gate); free(xg); free(scratch); free(first); free(prefix); free(bx); free(bh); free(tiles);
+    free(sums);
     return 0;
 }
