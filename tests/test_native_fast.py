@@ -450,8 +450,33 @@ def check_pool_in_parts() -> None:
     assert ((got.double() - want).abs() <= 2.0 ** -8 * (want.abs() + 1)).all()
 
 
+def check_picked_rows() -> None:
+    """The pool's last part picked from a cache [S, L, Dh] per token (a decode step's compressed rows,
+    read where they lie, N40): the bits of the same rows copied out; a picked row past the cache's rows or
+    a slot past its slots declines the call."""
+    g = torch.Generator().manual_seed(41)
+    T, H, Dh, S, L, k = 3, 8, 64, 4, 9, 5
+    kv = torch.randn(S, L, Dh, generator=g).to(torch.bfloat16)
+    window = torch.randn(20, Dh, generator=g).to(torch.bfloat16)
+    token_slot = torch.tensor([2, 0, 3])
+    selected = torch.randint(0, L, (T, k), generator=g)
+    selected[1, 3:] = -1
+    rows = torch.cat([torch.randint(0, 20, (T, 6), generator=g),
+                      torch.where(selected >= 0, 20 + torch.arange(T * k).view(T, k), -1)], dim=-1)[None]
+    q = torch.randn(1, T, H, Dh, generator=g).to(torch.bfloat16)
+    sink = torch.randn(H, generator=g)
+    copied = kv[token_slot.unsqueeze(1), selected.clamp(min=0)].flatten(0, 1)
+    got = native.sparse_attention(q, [window], rows, sink, 0.125, -1e30, (kv, token_slot, selected))
+    assert torch.equal(got, native.sparse_attention(q, torch.cat([window, copied])[None], rows, sink, 0.125, -1e30))
+    past = selected.clone()
+    past[2, 0] = L
+    assert native.sparse_attention(q, [window], rows, sink, 0.125, -1e30, (kv, token_slot, past)) is None
+    assert native.sparse_attention(q, [window], rows, sink, 0.125, -1e30, (kv, torch.tensor([2, 0, S]), selected)) is None
+
+
 def test_native_sparse_attention_reads_a_pool_in_parts_where_they_lie():
     check_pool_in_parts()
+    check_picked_rows()
     # a call of several rows takes its pool whole
     q = torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16)
     assert native.sparse_attention(q, [torch.zeros(4, 64, dtype=torch.bfloat16)] * 2, torch.zeros(2, 1, 2, dtype=torch.long),
@@ -460,13 +485,22 @@ def test_native_sparse_attention_reads_a_pool_in_parts_where_they_lie():
 
 @pytest.mark.parametrize("old, new", [
     ("row >= pool->end[i]", "row > pool->end[i]"),                        # a part's first row read from the part before
-    ("(row - first) * pool->Dh", "row * pool->Dh"),                       # a later part's rows counted from the pool's start
+    ("int64_t at = row - first;", "int64_t at = row;"),                   # a later part's rows counted from the pool's start
 ])
 def test_a_mutated_pool_in_parts_is_caught(old, new, tmp_path, monkeypatch):
     lib = mutated_library("attention.c", old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     with pytest.raises(AssertionError):
         check_pool_in_parts()
+
+
+def test_a_mutated_pick_is_caught(tmp_path, monkeypatch):
+    """Every picked row read from the first token's slot."""
+    lib = mutated_library("attention.c", "pool->pick_slot[at / pool->pick_k]", "pool->pick_slot[0]", tmp_path,
+                          monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    with pytest.raises(AssertionError):
+        check_picked_rows()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -606,23 +640,23 @@ def test_a_mutated_hc_mixes_kernel_is_caught(old, new, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_compressed_entries_gather_in_one_call_as_the_index_does(dtype, monkeypatch):
-    """attention.py `_compressed`'s decode-step copy of the selected compressed rows: the rows the torch
-    index reads (row 0 for −1) and the pool indices base + i·k + j (−1 kept), each token from its own
-    slot; a selected row past the pool declines; a decode step of a model takes it."""
+    """attention.py `Picked.rows`, the copy of a decode step's selected compressed rows for an attention
+    that does not read them in their cache: the rows the torch index reads (row 0 for −1), each token
+    from its own slot; a selected row past the pool declines; a reference-numerics decode step takes it
+    (fast numerics' native attention reads the rows in the cache, N40)."""
     g = torch.Generator().manual_seed(27)
     kv = torch.randn(3, 40, 16, generator=g).to(dtype)
     token_slot = torch.tensor([2, 0, 2])
     selected = torch.randint(0, 40, (3, 5), generator=g)
     selected[1, 3:] = -1
-    picked, listed = FAST_NATIVE.gather_compressed(kv, token_slot, selected, 7)
+    picked = FAST_NATIVE.gather_compressed(kv, token_slot, selected)
     assert torch.equal(picked, kv[token_slot.unsqueeze(1), selected.clamp(min=0)].flatten(0, 1))
-    assert torch.equal(listed, torch.where(selected >= 0, 7 + torch.arange(15).view(3, 5), -1))
     past = selected.clone()
     past[2, 4] = 40                                                             # row 40 of 40
-    assert FAST_NATIVE.gather_compressed(kv, token_slot, past, 7) is None
-    assert FAST.gather_compressed(kv, token_slot, selected, 7) is None
+    assert FAST_NATIVE.gather_compressed(kv, token_slot, past) is None
+    assert FAST.gather_compressed(kv, token_slot, selected) is None
     from helpers import MAX_SEQ, binding_config, token_ids, without_dspark
-    runtime = RuntimeConfig(max_seq_len=MAX_SEQ, numerics="fast", dtype="bfloat16", kernels="blas")
+    runtime = RuntimeConfig(max_seq_len=MAX_SEQ)
     model = init_random_(Transformer(without_dspark(binding_config()), runtime), 0)
     calls = []
     real = native.gather_compressed
@@ -636,7 +670,7 @@ def test_the_compressed_entries_gather_in_one_call_as_the_index_does(dtype, monk
 
 
 @pytest.mark.parametrize("old, new", [
-    ("listed[q] = selected[q] < 0 ? -1 : base + q;", "listed[q] = base + q;"),     # a −1 entry listed
+    ("row = selected[q] < 0 ? 0 : selected[q];", "row = selected[q] < 0 ? 1 : selected[q];"),   # −1 copies row 1
     ("(token_slot[i] * L + row) * row_bytes", "(token_slot[0] * L + row) * row_bytes"),   # the first token's slot
 ])
 def test_a_mutated_compressed_gather_is_caught(old, new, tmp_path, monkeypatch):
@@ -1311,6 +1345,36 @@ def test_a_batch_decode_step_has_the_same_bits_on_one_thread_and_two(stored):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(logits[0], logits[1])
+
+
+def test_a_decode_step_reads_its_pool_where_it_lies_with_the_bits_of_one_pool(monkeypatch):
+    """A fast decode step's attention takes its window rings and rows as parts and its compressed rows in
+    their cache (N40); handing the kernel one concatenated pool instead gives the same logits."""
+    from helpers import MAX_SEQ, binding_config, token_ids, without_dspark
+    cfg = without_dspark(binding_config(dim=128, n_routed_experts=8, vocab_size=256))
+    model = init_random_(Transformer(cfg, RuntimeConfig(max_seq_len=MAX_SEQ, numerics="fast", dtype="bfloat16")), 5)
+    ids = token_ids(3, 40, cfg.vocab_size)
+    real, kinds = native.sparse_attention, []
+
+    def one_pool(q, pool, rows, sink, scale, floor, picked=None):
+        parts = [pool] if torch.is_tensor(pool) else list(pool)
+        kinds.append((len(parts), picked is not None))
+        if picked is not None:
+            kv, token_slot, selected = picked
+            parts.append(kv[token_slot.unsqueeze(1), selected.clamp(min=0)].flatten(0, 1))
+        return real(q, torch.cat(parts)[None] if len(parts) > 1 else parts[0], rows, sink, scale, floor)
+
+    logits = []
+    for patched in (False, True):
+        if patched:
+            monkeypatch.setattr(native, "sparse_attention", one_pool)
+        cache = model.new_cache(3, MAX_SEQ)
+        with torch.inference_mode():
+            model(ids[:, :34], 0, cache)
+            logits.append(torch.stack([model.logits(model(ids[:, p:p + 1], p, cache).hidden[:, -1])
+                                       for p in range(34, 40)]))
+    assert torch.equal(logits[0], logits[1])
+    assert (2, True) in kinds and (2, False) in kinds        # compressed layers pick, window layers do not
 
 
 @pytest.mark.parametrize("source, old, new, stored", [

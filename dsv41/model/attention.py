@@ -17,6 +17,8 @@ not in a global.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,6 +68,22 @@ def window_indices(step: Step, window: int) -> torch.Tensor:
     return torch.where(q >= 0, rows, -1)
 
 
+class Picked(NamedTuple):
+    """Rows of a cache kv [S, L, Dh] listed per token, as a pool part [M·k, Dh]: row t · k + j is
+    kv[token_slot[t], selected[t, j]] (−1: none, never listed). A decode step's compressed rows, which
+    the native attention reads in the cache (N40)."""
+    kv: torch.Tensor
+    token_slot: torch.Tensor
+    selected: torch.Tensor
+
+    def rows(self, numerics: Numerics) -> torch.Tensor:
+        """The part copied out of the cache: in one native call where the policy takes it, else indexed."""
+        gathered = numerics.gather_compressed(self.kv, self.token_slot, self.selected)
+        if gathered is not None:
+            return gathered
+        return self.kv[self.token_slot.unsqueeze(1), self.selected.clamp(min=0)].flatten(0, 1)
+
+
 def _gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """pool [B, N, Dh], rows [B, T, n] → fp32 [B, T, n, Dh]; an entry of −1 reads pool row 0, a finite
     value whose logit the caller sets to −∞, so its probability and thus its product with it are 0.
@@ -81,10 +99,10 @@ def _gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_attention(q: torch.Tensor, pool: torch.Tensor | list[torch.Tensor], rows: torch.Tensor, sink: torch.Tensor,
-                     scale: float, numerics: Numerics) -> torch.Tensor:
+                     scale: float, numerics: Numerics, picked: Picked | None = None) -> torch.Tensor:
     """Attention of q [B, T, H, Dh] over the listed rows [B, T, n] of pool [B, N, Dh] with a sink (§11.7).
-    For B = 1 the pool may be the list of its parts [Nᵢ, Dh]: a native kernel reads them where they lie,
-    anything else concatenates them first.
+    For B = 1 the pool may be the list of its parts [Nᵢ, Dh], and `picked` rows of a cache one more part
+    after them: a native kernel reads them where they lie, anything else copies them into one pool first.
 
     K = V (one latent); the sink sits in the denominator only, in scaled-logit units; rows of −1 are
     ignored; a query with no row returns zeros. With an attention block (reference numerics, invariant
@@ -95,9 +113,11 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor | list[torch.Tensor], r
     (docs/NUMERICS.md N6).
     Without a block it is one exact fp32 softmax over the whole list.
     """
-    whole = numerics.sparse_attention(q, pool, rows, sink, scale, SCORE_FLOOR)
+    whole = numerics.sparse_attention(q, pool, rows, sink, scale, SCORE_FLOOR, picked)
     if whole is not None:
         return whole
+    if picked is not None:
+        pool = [*pool, picked.rows(numerics)]
     if not torch.is_tensor(pool):
         pool = torch.cat(pool)[None]
     B, T, H, _ = q.shape
@@ -204,16 +224,20 @@ class Attention(nn.Module):
         kv = self.numerics.qdq_window(kv)
 
         pool = [cache.read_window(layer, step), kv[0]]                              # [B·W + N, Dh]
+        picked = None
         if self.window not in handoff.window_rows:
             handoff.window_rows[self.window] = window_indices(step, self.window)
         rows = handoff.window_rows[self.window]                                     # [N, W]
         if self.role.ratio:
             base = sum(p.shape[0] for p in pool)
-            compressed, listed = self._compressed(x, qr, step, handoff, cache, base)   # [M, Dh], [N, k]
-            pool.append(compressed)
+            compressed, listed = self._compressed(x, qr, step, handoff, cache, base)   # [M, Dh] or Picked, [N, k]
+            if isinstance(compressed, Picked):
+                picked = compressed
+            else:
+                pool.append(compressed)
             rows = torch.cat([rows, listed], dim=-1)
 
-        o = sparse_attention(q, pool, rows[None], self.attn_sink, self.softmax_scale, self.numerics)
+        o = sparse_attention(q, pool, rows[None], self.attn_sink, self.softmax_scale, self.numerics, picked)
         cache.write_window(layer, kv[0], step)
         left = self.numerics.attention_out(o, phases, self.wo_a.weight, self.o_groups, self.wo_b.weight)  # trap 11
         if left is not None:
@@ -233,8 +257,9 @@ class Attention(nn.Module):
         as base + rows of them, or −1: the rows' place in a pool that holds `base` rows before them).
 
         M = B·C (each row's compressed rows, row after row) or, when smaller, N·k: token i's selected
-        rows at i·k … i·k + k − 1. A decode step or a chunk deep into a long context reads k rows per
-        token instead of copying the row's C; either pool gives every listed entry the same values in the
+        rows at i·k … i·k + k − 1, left in the cache (`Picked`: the native attention reads them there, N40;
+        anything else copies them out). A decode step or a chunk deep into a long context reads k rows
+        per token instead of the row's C; either pool gives every listed entry the same values in the
         same order, hence the same bits.
         """
         role = self.role
@@ -264,12 +289,8 @@ class Attention(nn.Module):
         selected = handoff.selection_for(role)                                      # [N, k]
         N, k = selected.shape
         if N * k < step.n_rows * C:
-            gathered = self.numerics.gather_compressed(source.kv, step.token_slot, selected, base)
-            if gathered is not None:
-                return gathered
-            picked = source.kv[step.token_slot.unsqueeze(1), selected.clamp(min=0)]   # [N, k, Dh]
             listed = torch.arange(base, base + N * k, device=x.device).view(N, k)
-            return picked.flatten(0, 1), torch.where(selected >= 0, listed, -1)
+            return Picked(source.kv, step.token_slot, selected), torch.where(selected >= 0, listed, -1)
         kv = source.kv[step.slot_index, :C]          # [B, C, Dh]; the slots' tensor: no copy from a list
         return kv.flatten(0, 1), torch.where(selected >= 0, step.row.unsqueeze(1) * C + (selected + base), -1)
 

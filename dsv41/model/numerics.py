@@ -414,29 +414,29 @@ class Numerics:
         return native.rms_norm(x, weight, eps)
 
     def sparse_attention(self, q: torch.Tensor, pool: torch.Tensor | list[torch.Tensor], rows: torch.Tensor,
-                         sink: torch.Tensor, scale: float, floor: float) -> torch.Tensor | None:
+                         sink: torch.Tensor, scale: float, floor: float, picked: tuple | None = None) -> torch.Tensor | None:
         """attention.py's `sparse_attention` in one native call where the policy has no attention blocks
         (fast numerics) and the call is a decode step's (at most `NATIVE_POSITIONS` query positions, no
         autograd); None where it leaves it to attention.py (docs/NUMERICS.md N17). The pool may be the
-        list of its parts (`native.sparse_attention`)."""
+        list of its parts and `picked` rows of a cache after them (`native.sparse_attention`, N40)."""
         if not (self.native and self.attention_block is None and q.is_cpu
                 and q.shape[0] * q.shape[1] <= NATIVE_POSITIONS):
             return None
         parts = [pool] if torch.is_tensor(pool) else pool
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, *parts, sink)):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, *parts, sink, *(picked or ())[:1])):
             return None
-        return native.sparse_attention(q, pool, rows, sink, scale, floor)
+        return native.sparse_attention(q, pool, rows, sink, scale, floor, picked)
 
-    def gather_compressed(self, kv: torch.Tensor, token_slot: torch.Tensor, selected: torch.Tensor,
-                          base: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """attention.py `_compressed`'s copy of the selected compressed rows and their pool indices in one
-        native call (an exact copy: any numerics), for a decode step's few tokens (at most
-        `NATIVE_POSITIONS`) outside autograd; None where the policy leaves it to attention.py."""
+    def gather_compressed(self, kv: torch.Tensor, token_slot: torch.Tensor, selected: torch.Tensor) -> torch.Tensor | None:
+        """attention.py `Picked.rows`: the selected compressed rows copied out of their cache in one
+        native call (an exact copy: any numerics; for an attention that does not read them there), for a
+        decode step's few tokens (at most `NATIVE_POSITIONS`) outside autograd; None where the policy
+        leaves it to attention.py."""
         if not (self.native and kv.is_cpu and selected.shape[0] <= NATIVE_POSITIONS):
             return None
         if torch.is_grad_enabled() and kv.requires_grad:
             return None
-        return native.gather_compressed(kv, token_slot, selected, base)
+        return native.gather_compressed(kv, token_slot, selected)
 
     def engram_rows(self, weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor | None:
         """engram/table.py's lookup of a host table into host memory in one native call (the rows'

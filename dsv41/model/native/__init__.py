@@ -164,10 +164,11 @@ def load(path: Path) -> ctypes.CDLL:
     lib.dsv41_gemv_exact_kn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.dsv41_sparse_attention.restype = ctypes.c_int
     lib.dsv41_sparse_attention.argtypes = ([ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
-                                           + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
-                                           + [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int])
+                                           + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2
+                                           + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2
+                                           + [ctypes.c_void_p, ctypes.c_int])
     lib.dsv41_gather_compressed.restype = ctypes.c_int
-    lib.dsv41_gather_compressed.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
+    lib.dsv41_gather_compressed.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 4
     lib.dsv41_rms_norm.restype = None
     lib.dsv41_rms_norm.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_float] + [ctypes.c_void_p, ctypes.c_int] * 2 + [ctypes.c_void_p]
     lib.dsv41_topk.restype = None
@@ -405,48 +406,61 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, exact: bool = Fals
 
 
 def sparse_attention(q: torch.Tensor, pool: torch.Tensor | list[torch.Tensor], rows: torch.Tensor, sink: torch.Tensor,
-                     scale: float, floor: float) -> torch.Tensor | None:
+                     scale: float, floor: float,
+                     picked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """attention.py's `sparse_attention` without blocks (one fp32 softmax per query and head, with the
     sink): q [B, T, H, Dh] over the listed rows [B, T, n] (−1: none; the model's own indices, below
     N) of pool [B, N, Dh], bf16 or fp32, → q's dtype. For B = 1 the pool may be a list of parts [Nᵢ, Dh]
-    of one dtype, read where they lie as if concatenated (a decode step's rings, its rows and its
-    compressed rows, N40). None where the kernel is not available or does not take the pool."""
+    of one dtype, read where they lie as if concatenated (a decode step's rings and its rows, N40), and
+    `picked` = (kv [S, L, Dh], token_slot [M], selected [M, k]) one more part after them, read in its
+    cache: its row t · k + j is kv[token_slot[t], selected[t, j]] (−1: none; such rows must not be
+    listed). None where the kernel is not available or does not take the pool, or a picked row lies
+    outside its cache."""
     lib = _library()
     parts = [pool] if torch.is_tensor(pool) else [p.contiguous() for p in pool]
+    if picked is not None:
+        kv, token_slot, selected = picked
+        parts.append(kv.contiguous())
+        token_slot, selected = token_slot.to(torch.int64).contiguous(), selected.to(torch.int64).contiguous()
     if lib is None or q.dtype not in _GEMV_DTYPES or parts[0].dtype not in _GEMV_DTYPES:
         return None
     (B, T, H, Dh), n = q.shape, rows.shape[-1]
-    if len(parts) > 1 and (B != 1 or any(p.dtype != parts[0].dtype or p.shape[1:] != (Dh,) for p in parts)):
+    if len(parts) > 1 and (B != 1 or any(p.dtype != parts[0].dtype or p.shape[-1] != Dh for p in parts)):
+        return None
+    if picked is not None and (kv.dim() != 3 or token_slot.numel() * selected.shape[-1] != selected.numel()):
         return None
     parts[0] = parts[0].contiguous()
-    ends = list(itertools.accumulate(p.numel() // Dh for p in parts))
+    sizes = [p.numel() // Dh for p in parts]
+    if picked is not None:
+        sizes[-1] = selected.numel()
+    ends = list(itertools.accumulate(sizes))
     q, rows, sink = q.contiguous(), rows.to(torch.int64).contiguous(), sink.float().contiguous()
     out = torch.empty_like(q)
     threads = torch.get_num_threads() if B * T * H * n * Dh >= GEMV_THREAD_FROM and B * T > 1 else 1
     bf16 = torch.bfloat16
     status = lib.dsv41_sparse_attention(B, T, H, Dh, ends[-1] // B, n, threads, q.data_ptr(), q.dtype == bf16, len(parts),
                                         (ctypes.c_int64 * len(parts))(*(p.data_ptr() for p in parts)),
-                                        (ctypes.c_int64 * len(parts))(*ends), parts[0].dtype == bf16, rows.data_ptr(),
+                                        (ctypes.c_int64 * len(parts))(*ends),
+                                        *((selected.shape[-1], kv.shape[0], kv.shape[1], token_slot.data_ptr(),
+                                           selected.data_ptr()) if picked is not None else (0, 0, 0, None, None)),
+                                        parts[0].dtype == bf16, rows.data_ptr(),
                                         sink.data_ptr(), scale, floor, out.data_ptr(), out.dtype == bf16)
     return out if status == 0 else None
 
 
-def gather_compressed(kv: torch.Tensor, token_slot: torch.Tensor, selected: torch.Tensor,
-                      base: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """attention.py `_compressed`'s entries of a call in one call (attention.c): kv [S, L, Dh] (contiguous),
-    token_slot [N], selected [N, k] (−1: none) → (picked [N·k, Dh]: token i's entry j at i·k + j, row 0
-    for −1; listed [N, k]: base + i·k + j, or −1). None where the kernel is not available or does not
-    take the call."""
+def gather_compressed(kv: torch.Tensor, token_slot: torch.Tensor, selected: torch.Tensor) -> torch.Tensor | None:
+    """attention.py `Picked.rows` in one call (attention.c): kv [S, L, Dh] (contiguous), token_slot [N],
+    selected [N, k] (−1: none) → picked [N·k, Dh]: token i's entry j at i·k + j, row 0 for −1. None where
+    the kernel is not available or does not take the call."""
     lib = _library()
     if lib is None or not kv.is_contiguous() or kv.dim() != 3:
         return None
     token_slot, selected = token_slot.to(torch.int64).contiguous(), selected.to(torch.int64).contiguous()
     (N, k), (L, Dh) = selected.shape, kv.shape[1:]
     picked = kv.new_empty(N * k, Dh)
-    listed = torch.empty(N, k, dtype=torch.int64)
     status = lib.dsv41_gather_compressed(N, k, L, Dh * kv.element_size(), kv.data_ptr(), token_slot.data_ptr(),
-                                         selected.data_ptr(), base, picked.data_ptr(), listed.data_ptr())
-    return (picked, listed) if status == 0 else None
+                                         selected.data_ptr(), picked.data_ptr())
+    return picked if status == 0 else None
 
 
 def engram_rows(weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor | None:

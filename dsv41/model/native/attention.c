@@ -8,7 +8,9 @@
  * in fp32, summed in this kernel's order (fast numerics' licence); a query with no listed row gets 0.
  * q, pool and out are bf16 or fp32 (each its own flag), rows int64 [B, T, n], sink fp32 [H].
  * The pool of a call with one batch row may come in parts read where they lie (a decode step's window
- * rings, its own rows and the compressed rows: no copy of them into one tensor first, N40).
+ * rings, its own rows and the compressed rows: no copy of them into one tensor first, N40); its last
+ * part may be rows picked from a cache: token t's entry j is row pick_row[t · k + j] of slot
+ * pick_slot[t] (−1: none, never listed).
  */
 #include <math.h>
 #include <stdint.h>
@@ -109,19 +111,24 @@ static inline __attribute__((always_inline)) void attend_group(int G, int64_t h0
 #endif
 
 /* A pool of rows [Σ parts, Dh] held in `parts` pieces: piece i's rows (end[i − 1] … end[i] − 1 of the
- * pool) start at at[i]; rows of `width` bytes a value. */
+ * pool) start at at[i]; rows of `width` bytes a value. With pick_k > 0 the last piece is a cache [S, L,
+ * Dh] whose row e is row pick_row[e] of slot pick_slot[e / pick_k]. */
 typedef struct {
     int64_t parts;
     const int64_t *at, *end;
     int64_t Dh;
     size_t width;
+    int64_t pick_k, pick_L;
+    const int64_t *pick_slot, *pick_row;
 } Pool;
 
 static inline const char *pool_row(const Pool *pool, int64_t row) {
     int64_t i = 0;
     while (i + 1 < pool->parts && row >= pool->end[i]) i++;
     const int64_t first = i == 0 ? 0 : pool->end[i - 1];
-    return (const char *)(intptr_t)pool->at[i] + (size_t)((row - first) * pool->Dh) * pool->width;
+    int64_t at = row - first;
+    if (pool->pick_k > 0 && i == pool->parts - 1) at = pool->pick_slot[at / pool->pick_k] * pool->pick_L + pool->pick_row[at];
+    return (const char *)(intptr_t)pool->at[i] + (size_t)(at * pool->Dh) * pool->width;
 }
 
 /* One query row's H heads. kvs [n, Dh] receives its listed pool rows widened (once for every head),
@@ -179,14 +186,22 @@ static void attend_row(int64_t H, int64_t Dh, int64_t n, const void *q, int q_bf
 }
 
 /* q [B, T, H, Dh], pool [B, N, Dh] in `parts` pieces (part_at: their addresses, part_end: the row after
- * each, the last B · N), rows [B, T, n] (entries in −1 … N−1: the caller checks), out like q.
- * Returns 0, or -1 if scratch could not be had (out untouched). */
+ * each, the last B · N; pick_k > 0: the last piece picked from a cache of S slots of L rows, as `Pool`
+ * says), rows [B, T, n] (entries in −1 … N−1: the caller checks), out like q.
+ * Returns 0, or -1 (a picked row outside its cache, or scratch could not be had; out untouched). */
 int dsv41_sparse_attention(int64_t B, int64_t T, int64_t H, int64_t Dh, int64_t N, int64_t n, int threads,
                            const void *q, int q_bf16, int64_t parts, const int64_t *part_at, const int64_t *part_end,
-                           int pool_bf16, const int64_t *rows, const float *sink, float scale, float floor, void *out,
-                           int out_bf16) {
+                           int64_t pick_k, int64_t pick_S, int64_t pick_L, const int64_t *pick_slot,
+                           const int64_t *pick_row, int pool_bf16, const int64_t *rows, const float *sink, float scale,
+                           float floor, void *out, int out_bf16) {
     const int64_t R = B * T;
-    const Pool pool = {parts, part_at, part_end, Dh, pool_bf16 ? 2 : 4};
+    const Pool pool = {parts, part_at, part_end, Dh, pool_bf16 ? 2 : 4, pick_k, pick_L, pick_slot, pick_row};
+    if (pick_k > 0) {
+        const int64_t picked = part_end[parts - 1] - (parts > 1 ? part_end[parts - 2] : 0);
+        for (int64_t e = 0; e < picked; e++)
+            if (pick_row[e] < -1 || pick_row[e] >= pick_L || pick_slot[e / pick_k] < 0 || pick_slot[e / pick_k] >= pick_S)
+                return -1;
+    }
     if (threads < 1) threads = 1;
     if (threads > R) threads = (int)R;
     int failed = 0;
@@ -204,14 +219,13 @@ int dsv41_sparse_attention(int64_t B, int64_t T, int64_t H, int64_t Dh, int64_t 
     return failed ? -1 : 0;
 }
 
-/* A call's compressed entries in the pool (attention.py `_compressed`, N·k of them): token i's entry j
- * is row selected[i, j] of slot token_slot[i] in kv [S, L, Dh] (rows of row_bytes bytes, contiguous),
- * copied to picked[i · k + j], listed there as listed[i, j] = base + i · k + j; an entry of −1 (nothing
- * selected) copies row 0 and is listed as −1. The torch path's index, arange and where, in one call.
+/* A call's compressed entries copied out of their cache (attention.py `Picked.rows`, N·k of them), for
+ * an attention that cannot read them there: token i's entry j is row selected[i, j] of slot
+ * token_slot[i] in kv [S, L, Dh] (rows of row_bytes bytes, contiguous), copied to picked[i · k + j]; an
+ * entry of −1 (nothing selected) copies row 0. The torch path's index in one call.
  * Returns 0, or -1 (a selected row of L or more; nothing written). */
 int dsv41_gather_compressed(int64_t N, int64_t k, int64_t L, int64_t row_bytes, const void *kv,
-                            const int64_t *token_slot, const int64_t *selected, int64_t base, void *picked,
-                            int64_t *listed) {
+                            const int64_t *token_slot, const int64_t *selected, void *picked) {
     for (int64_t q = 0; q < N * k; q++)
         if (selected[q] >= L) return -1;
     for (int64_t i = 0; i < N; i++)
@@ -219,7 +233,6 @@ int dsv41_gather_compressed(int64_t N, int64_t k, int64_t L, int64_t row_bytes, 
             const int64_t q = i * k + j, row = selected[q] < 0 ? 0 : selected[q];
             memcpy((char *)picked + q * row_bytes, (const char *)kv + (token_slot[i] * L + row) * row_bytes,
                    (size_t)row_bytes);
-            listed[q] = selected[q] < 0 ? -1 : base + q;
         }
     return 0;
 }
