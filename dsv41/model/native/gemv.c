@@ -42,9 +42,9 @@
 #define SUM_SPAN 128
 /* A held expert's tile of rows costs a thread about this many of a stored one's (4× the bytes, no
  * decoding): the threads split the experts' tiles by this cost. Measured per thread on a 16-token stored
- * step (N40): at 2 the last thread, which holds the shared expert, still took ~5% longer, at 4 the first
- * ~10% longer. */
-#define HELD_TILE_COST 2.7
+ * step (N40): at 1 (a split by count) the last thread, which holds the shared expert, took ~12% longer
+ * than the first over the gate and up tiles, at 4 the first ~11% longer, at 2–2.7 within ~4%. */
+#define HELD_TILE_COST 2.3
 
 typedef struct {
     int64_t P, M, N, K;
@@ -725,15 +725,15 @@ static void swiglu_row(float *gate, const float *up, int64_t I, float limit, flo
 }
 
 /* The first of `units` tiles per group that this thread takes among G groups whose tiles cost cost[g]
- * each (prefix[g]: the cost of the groups before g), so that the threads' shares cost alike: for thread
- * t of nt, the tile where the cost t/nt of the total falls. A stored step's shared expert (held, last)
+ * each (prefix[g]: the cost of a tile of each group before g), so that the threads' shares cost alike:
+ * for thread t of nt, the tile where the fraction t/nt of the total cost falls. A stored step's shared expert (held, last)
  * gave the last thread ~7% more time than the first under a split by count (N40). */
 static int64_t tile_at(int64_t G, int64_t units, const double *prefix, const double *cost, int t, int nt) {
     if (t >= nt || G == 0) return G * units;
     const double at = prefix[G] * t / nt;
     int64_t g = 0;
     while (g + 1 < G && prefix[g + 1] <= at) g++;
-    const int64_t u = (int64_t)((at - prefix[g]) / cost[g] + 0.5);
+    const int64_t u = (int64_t)((at - prefix[g]) / cost[g] * (double)units + 0.5);
     return g * units + (u < units ? u : units);
 }
 
