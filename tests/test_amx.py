@@ -122,6 +122,8 @@ def test_amx_stored_expert_groups_of_two_to_four_rows_are_the_held_banks_bits():
     # a pair's values taken from the pair before it (every odd pair)
     ("row + 2 * q, 2 * sizeof", "row + 2 * (q / 2 * 2), 2 * sizeof", (check_products, check_experts)),
     # a stored block decoded into the slot the tiles are about to load, not the other one
+    # the second of a pair of tiles multiplying the first tile's rows (N40)
+    ("_tile_loadd(6, w1 + k, w_stride * 2);", "_tile_loadd(6, w + k, w_stride * 2);", (check_products,)),
     # (a stored group of 2 to 4 rows is caught only if it runs on the tiles)
     ("slots[(k / 32 + 1) % 2]", "slots[(k / 32) % 2]", (check_stored_groups, check_stored_pairs)),
 ])

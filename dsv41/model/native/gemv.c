@@ -417,7 +417,8 @@ static int run_amx(const Gemv *g, const uint16_t *x, int64_t x_sp, int64_t x_sm,
     const int64_t packed = blocks * Kp * AMX_ROWS;                     /* uint16 values per pair */
     uint16_t *b = malloc((size_t)(g->P * packed) * sizeof(uint16_t));
     uint16_t *scratch = calloc((size_t)(threads * AMX_ROWS * Kp), sizeof(uint16_t));
-    float *c = malloc((size_t)(threads * blocks * AMX_ROWS * AMX_ROWS) * sizeof(float));
+    const int64_t held = blocks > 1 ? blocks : 2;                     /* sums a thread holds: a pair of tiles */
+    float *c = malloc((size_t)(threads * held * AMX_ROWS * AMX_ROWS) * sizeof(float));
     if (b == NULL || scratch == NULL || c == NULL) {
         free(b); free(scratch); free(c);
         return -1;
@@ -427,11 +428,21 @@ static int run_amx(const Gemv *g, const uint16_t *x, int64_t x_sp, int64_t x_sm,
     {
         const Span span = thread_span(g->P * tiles);
         uint16_t *mine = scratch + span.index * AMX_ROWS * Kp;
-        float *sums = c + span.index * blocks * AMX_ROWS * AMX_ROWS;
+        float *sums = c + span.index * held * AMX_ROWS * AMX_ROWS;
         dsv41_amx_begin();
         for (int64_t r = span.begin; r < span.end; r++) {
             const int64_t p = r / tiles, n0 = (r % tiles) * AMX_ROWS;
             const int64_t rows = g->N - n0 < AMX_ROWS ? g->N - n0 : AMX_ROWS;
+            if (blocks == 1 && r + 1 < span.end && (r + 1) / tiles == p && n0 + 2 * AMX_ROWS <= g->N && g->K % 32 == 0) {
+                float *second = sums + AMX_ROWS * AMX_ROWS;
+                dsv41_amx_tile_pair((const uint16_t *)g->w + p * g->w_sp + n0 * g->w_sn, g->w_sn, Kp, b + p * packed, sums,
+                                    second);
+                for (int64_t m = 0; m < g->M; m++)
+                    for (int64_t i = 0; i < 2 * AMX_ROWS; i++)
+                        put(g, p, m, n0 + i, (i < AMX_ROWS ? sums : second)[(i % AMX_ROWS) * AMX_ROWS + m]);
+                r++;
+                continue;
+            }
             int64_t stride;
             const uint16_t *w = dsv41_amx_rows((const uint16_t *)g->w + p * g->w_sp + n0 * g->w_sn, g->w_sn, rows,
                                                g->K, mine, &stride);

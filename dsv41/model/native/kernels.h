@@ -55,6 +55,9 @@ const uint16_t *dsv41_amx_rows(const uint16_t *w, int64_t w_stride, int64_t rows
 /* AMX_ROWS weight rows w (row stride w_stride, Kp readable values each) against `blocks` packed blocks:
  * c [blocks, AMX_ROWS weight rows, AMX_ROWS activation rows] fp32. */
 void dsv41_amx_tile(const uint16_t *w, int64_t w_stride, int64_t Kp, const uint16_t *b, int64_t blocks, float *c);
+/* One block (≤ AMX_ROWS activation rows) against two whole tiles, 2 · AMX_ROWS rows of w from w (K a
+ * multiple of 32): c0 and c1 as `dsv41_amx_tile`'s c for each tile. */
+void dsv41_amx_tile_pair(const uint16_t *w, int64_t w_stride, int64_t Kp, const uint16_t *b, float *c0, float *c1);
 /* `dsv41_amx_tile` of `rows` (≤ AMX_ROWS) stored fp4 rows, w [rows, K / 2] code bytes and s [rows, K / 32]
  * ue8m0 scales, each decoded to its bf16 values (a held bank's) as the tiles take it: the same c, rows
  * past `rows` zero. Returns 0, or -1 without touching c where a scale is not FP4_WIDE_SCALE or K is not a
