@@ -417,7 +417,7 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor | list[torch.Tensor], r
     listed). None where the kernel is not available or does not take the pool, or a picked row lies
     outside its cache."""
     lib = _library()
-    parts = [pool] if torch.is_tensor(pool) else [p.contiguous() for p in pool]
+    parts = [p.contiguous() for p in ([pool] if torch.is_tensor(pool) else pool)]
     if picked is not None:
         kv, token_slot, selected = picked
         parts.append(kv.contiguous())
@@ -429,7 +429,6 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor | list[torch.Tensor], r
         return None
     if picked is not None and (kv.dim() != 3 or token_slot.numel() * selected.shape[-1] != selected.numel()):
         return None
-    parts[0] = parts[0].contiguous()
     sizes = [p.numel() // Dh for p in parts]
     if picked is not None:
         sizes[-1] = selected.numel()

@@ -417,8 +417,8 @@ static int run_amx(const Gemv *g, const uint16_t *x, int64_t x_sp, int64_t x_sm,
     const int64_t packed = blocks * Kp * AMX_ROWS;                     /* uint16 values per pair */
     uint16_t *b = malloc((size_t)(g->P * packed) * sizeof(uint16_t));
     uint16_t *scratch = calloc((size_t)(threads * AMX_ROWS * Kp), sizeof(uint16_t));
-    const int64_t held = blocks > 1 ? blocks : 2;                     /* sums a thread holds: a pair of tiles */
-    float *c = malloc((size_t)(threads * held * AMX_ROWS * AMX_ROWS) * sizeof(float));
+    const int64_t per_thread = blocks > 1 ? blocks : 2;               /* sums a thread holds: a pair of tiles */
+    float *c = malloc((size_t)(threads * per_thread * AMX_ROWS * AMX_ROWS) * sizeof(float));
     if (b == NULL || scratch == NULL || c == NULL) {
         free(b); free(scratch); free(c);
         return -1;
@@ -428,18 +428,17 @@ static int run_amx(const Gemv *g, const uint16_t *x, int64_t x_sp, int64_t x_sm,
     {
         const Span span = thread_span(g->P * tiles);
         uint16_t *mine = scratch + span.index * AMX_ROWS * Kp;
-        float *sums = c + span.index * held * AMX_ROWS * AMX_ROWS;
+        float *sums = c + span.index * per_thread * AMX_ROWS * AMX_ROWS;
         dsv41_amx_begin();
         for (int64_t r = span.begin; r < span.end; r++) {
             const int64_t p = r / tiles, n0 = (r % tiles) * AMX_ROWS;
             const int64_t rows = g->N - n0 < AMX_ROWS ? g->N - n0 : AMX_ROWS;
             if (blocks == 1 && r + 1 < span.end && (r + 1) / tiles == p && n0 + 2 * AMX_ROWS <= g->N && g->K % 32 == 0) {
-                float *second = sums + AMX_ROWS * AMX_ROWS;
+                /* the second tile's sums right after the first's: weight row i's at sums + i · AMX_ROWS */
                 dsv41_amx_tile_pair((const uint16_t *)g->w + p * g->w_sp + n0 * g->w_sn, g->w_sn, Kp, b + p * packed, sums,
-                                    second);
+                                    sums + AMX_ROWS * AMX_ROWS);
                 for (int64_t m = 0; m < g->M; m++)
-                    for (int64_t i = 0; i < 2 * AMX_ROWS; i++)
-                        put(g, p, m, n0 + i, (i < AMX_ROWS ? sums : second)[(i % AMX_ROWS) * AMX_ROWS + m]);
+                    for (int64_t i = 0; i < 2 * AMX_ROWS; i++) put(g, p, m, n0 + i, sums[i * AMX_ROWS + m]);
                 r++;
                 continue;
             }
@@ -737,8 +736,8 @@ static void swiglu_row(float *gate, const float *up, int64_t I, float limit, flo
 
 /* The first of `units` tiles per group that this thread takes among G groups whose tiles cost cost[g]
  * each (prefix[g]: the cost of a tile of each group before g), so that the threads' shares cost alike:
- * for thread t of nt, the tile where the fraction t/nt of the total cost falls. A stored step's shared expert (held, last)
- * gave the last thread ~7% more time than the first under a split by count (N40). */
+ * for thread t of nt, the tile where the fraction t/nt of the total cost falls. A stored step's shared
+ * expert (held, last) gave the last thread 7–12% more time than the first under a split by count (N40). */
 static int64_t tile_at(int64_t G, int64_t units, const double *prefix, const double *cost, int t, int nt) {
     if (t >= nt || G == 0) return G * units;
     const double at = prefix[G] * t / nt;
@@ -941,15 +940,15 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
         free(pair); free(group); free(gate); free(xg); free(scratch); free(first); free(prefix);
         return -1;
     }
+    /* per group: its tiles' cost to a thread, and whether it multiplies on the tiles (from block first[g]) */
     prefix[0] = 0.0;
-    for (int64_t g = 0; g < G; g++) {
-        cost[g] = c1 != NULL && pair[2 * group[g]] != E ? 1.0 : HELD_TILE_COST;
-        prefix[g + 1] = prefix[g] + cost[g];
-    }
     first[0] = 0;
     for (int64_t g = 0; g < G; g++) {
         const int64_t m = group[g + 1] - group[g];
-        first[g + 1] = first[g] + (amx_group(amx, m, c1 != NULL && pair[2 * group[g]] != E) ? AMX_BLOCKS(m) : 0);
+        const int stored = c1 != NULL && pair[2 * group[g]] != E;
+        cost[g] = stored ? 1.0 : HELD_TILE_COST;
+        prefix[g + 1] = prefix[g] + cost[g];
+        first[g + 1] = first[g] + (amx_group(amx, m, stored) ? AMX_BLOCKS(m) : 0);
     }
     const int64_t Dp = AMX_PADDED(D), Ip = AMX_PADDED(I), Wp = Dp > Ip ? Dp : Ip;
     uint16_t *bx = NULL, *bh = NULL, *tiles = NULL;
