@@ -8,6 +8,9 @@ default in the same run:
 - the hyper-connection mixes (20 Sinkhorn iterations on 4×4 matrices) at decode row counts: torch ops
   against NumPy and the native kernel;
 - one layer's routed experts for 1 and 16 tokens: the torch loop against the native call;
+- the routed experts of 12 dim-1024 layers read in turn, as a decode step reads them (held bf16 and
+  stored fp4 banks, 1 and 16 tokens): the rate the native kernel reads the chosen experts' bytes at,
+  against a plain sum of a buffer in the same run (N41);
 - a whole decode step of the bench_reference config (batch 1 and 16) under each policy: models with
   the same weights, their steps alternating; fast numerics without and with the CPU kernels and the
   native ones, reference numerics (invariant kernels) without and with the native ones.
@@ -27,9 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_reference import config                 # noqa: E402
+from benchmarks.bench_reference import bandwidth_gb_s, config  # noqa: E402
 from dsv41.config import RuntimeConfig                       # noqa: E402
 from dsv41.model import Transformer, hyper, native           # noqa: E402
+from dsv41.model.arena import huge_page_buffer               # noqa: E402
 from dsv41.model.init import init_random_                    # noqa: E402
 from dsv41.model.moe import RoutedExperts                    # noqa: E402
 from dsv41.model.numerics import FAST, REFERENCE, Numerics   # noqa: E402
@@ -103,6 +107,49 @@ def experts(calls: int = 50) -> None:
         print(f"  {tokens:2d} tokens: torch {loop:8.1f}   native {fused:8.1f}   ({loop / fused:.2f}×)")
 
 
+def bank(shape: tuple[int, ...], dtype: torch.dtype, fill) -> torch.Tensor:
+    """A bank on 2 MB pages, as `pack_weights` places a model's, filled by fill(flat view)."""
+    count = 1
+    for size in shape:
+        count *= size
+    flat = huge_page_buffer(count * dtype.itemsize)[0].view(dtype)
+    fill(flat)
+    return flat.view(shape)
+
+
+def cold_experts(layers: int = 12, E: int = 32, D: int = 1024, I: int = 512, A: int = 6, rounds: int = 5) -> None:
+    g = torch.Generator().manual_seed(0)
+    codes = lambda t: t.copy_(torch.randint(-128, 128, t.shape, generator=g, dtype=torch.int8))  # noqa: E731
+    exponents = lambda t: t.copy_(torch.randint(120, 131, t.shape, generator=g, dtype=torch.uint8))  # noqa: E731
+    values = lambda t: t.copy_(torch.randn(t.shape, generator=g) / 32)  # noqa: E731
+    stored = [((bank((E, I, D // 2), torch.int8, codes), bank((E, I, D // 2), torch.int8, codes),
+                bank((E, D, I // 2), torch.int8, codes)),
+               (bank((E, I, D // 32), torch.uint8, exponents), bank((E, I, D // 32), torch.uint8, exponents),
+                bank((E, D, I // 32), torch.uint8, exponents))) for _ in range(layers)]
+    held = [((bank((E, I, D), torch.bfloat16, values), bank((E, I, D), torch.bfloat16, values),
+              bank((E, D, I), torch.bfloat16, values)), None) for _ in range(layers)]
+    expert_bytes = {"held bf16": 3 * I * D * 2, "stored fp4": 3 * I * D // 2 + 3 * I * D // 32}
+    _, read = bandwidth_gb_s()
+    print(f"routed experts of {layers} layers in turn, {E} of dim {D} × {I}, top {A}, bf16 operands, 2 MB pages "
+          f"(ms a layer, best of {rounds}; a plain sum reads {read:.1f} GB/s here):")
+    for tokens in (1, 16):
+        x = torch.randn(tokens, D, generator=g).bfloat16()
+        routes = [torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(tokens)]) for _ in range(layers)]
+        w = torch.rand(tokens, A, generator=g)
+        chosen = sum(len(torch.unique(ids)) for ids in routes) / layers
+        line = []
+        for name, layer_banks in (("held bf16", held), ("stored fp4", stored)):
+            best = float("inf")
+            for _ in range(rounds):
+                start = time.perf_counter()
+                for ((w1, w3, w2), scales), ids in zip(layer_banks, routes):
+                    native.routed_experts(x, ids, w, w1, w3, w2, 10.0, scales=scales, dtype=torch.bfloat16)
+                best = min(best, (time.perf_counter() - start) / layers)
+            rate = chosen * expert_bytes[name] / best / 1e9
+            line.append(f"{name} {best * 1e3:6.3f} ({rate:5.1f} GB/s, {rate / read:4.0%} of the sum)")
+        print(f"  {tokens:2d} tokens, {chosen:4.1f} experts a layer: " + "   ".join(line))
+
+
 def decode(dim: int, layers: int, steps: int = 24) -> None:
     cfg = config(dim, layers)
     arms = (("fast, torch default", "fast", Numerics("fast", "blas")), ("fast, cpu_kernels", "fast", CPU),
@@ -148,6 +195,7 @@ def main() -> None:
         if native.available():
             products()
             experts()
+            cold_experts()
         mixes()
         decode(args.dim, args.layers)
 
