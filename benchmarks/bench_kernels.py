@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_reference import bandwidth_gb_s, config  # noqa: E402
 from dsv41.config import RuntimeConfig                       # noqa: E402
 from dsv41.model import Transformer, hyper, native           # noqa: E402
-from dsv41.model.arena import huge_page_buffer               # noqa: E402
+from dsv41.model.arena import WeightArena                     # noqa: E402
 from dsv41.model.init import init_random_                    # noqa: E402
 from dsv41.model.moe import RoutedExperts                    # noqa: E402
 from dsv41.model.numerics import FAST, REFERENCE, Numerics   # noqa: E402
@@ -107,10 +107,11 @@ def experts(calls: int = 50) -> None:
         print(f"  {tokens:2d} tokens: torch {loop:8.1f}   native {fused:8.1f}   ({loop / fused:.2f}×)")
 
 
-def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """t copied onto 2 MB pages, as `pack_weights` places a model's banks."""
-    flat = huge_page_buffer(t.numel() * t.element_size())[0].view(t.dtype)
-    return flat.copy_(t.flatten()).view(t.shape)
+def in_arena(banks: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
+    """Every layer's banks moved into one `WeightArena` (2 MB pages), as `pack_weights` places a model's."""
+    named = {f"{i}.{j}": t for i, layer in enumerate(banks) for j, t in enumerate(layer)}
+    arena = WeightArena.of(named)
+    return [tuple(arena.place(f"{i}.{j}", t) for j, t in enumerate(layer)) for i, layer in enumerate(banks)]
 
 
 def cold_experts(layers: int = 12, E: int = 32, D: int = 1024, I: int = 512, A: int = 6, rounds: int = 5) -> None:
@@ -119,17 +120,17 @@ def cold_experts(layers: int = 12, E: int = 32, D: int = 1024, I: int = 512, A: 
     g = torch.Generator().manual_seed(0)
 
     def codes(*shape):
-        return on_huge_pages(torch.randint(-128, 128, shape, generator=g, dtype=torch.int8))
+        return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
 
     def exponents(*shape):                      # scales 2^-7 … 2^3: the tiles decode them in registers
-        return on_huge_pages(torch.randint(120, 131, shape, generator=g, dtype=torch.uint8))
+        return torch.randint(120, 131, shape, generator=g, dtype=torch.uint8)
 
     def values(*shape):
-        return on_huge_pages((torch.randn(shape, generator=g) / 32).bfloat16())
+        return (torch.randn(shape, generator=g) / 32).bfloat16()
 
-    stored = [((codes(E, I, D // 2), codes(E, I, D // 2), codes(E, D, I // 2)),
-               (exponents(E, I, D // 32), exponents(E, I, D // 32), exponents(E, D, I // 32))) for _ in range(layers)]
-    held = [((values(E, I, D), values(E, I, D), values(E, D, I)), None) for _ in range(layers)]
+    stored = in_arena([(codes(E, I, D // 2), codes(E, I, D // 2), codes(E, D, I // 2), exponents(E, I, D // 32),
+                        exponents(E, I, D // 32), exponents(E, D, I // 32)) for _ in range(layers)])
+    held = in_arena([(values(E, I, D), values(E, I, D), values(E, D, I)) for _ in range(layers)])
     expert_bytes = {"held bf16": 3 * I * D * 2, "stored fp4": 3 * I * D // 2 + 3 * I * D // 32}
     _, read = bandwidth_gb_s()
     print(f"routed experts of {layers} layers in turn, {E} of dim {D} × {I}, top {A}, bf16 operands, 2 MB pages "
@@ -141,15 +142,17 @@ def cold_experts(layers: int = 12, E: int = 32, D: int = 1024, I: int = 512, A: 
         chosen = sum(len(torch.unique(ids)) for ids in routes) / layers
         line = []
         for name, layer_banks in (("held bf16", held), ("stored fp4", stored)):
-            (w1, w3, w2), scales = layer_banks[0]
-            if native.routed_experts(x, routes[0], w, w1, w3, w2, 10.0, scales=scales, dtype=torch.bfloat16) is None:
+            w1, w3, w2, *scales = layer_banks[0]
+            if native.routed_experts(x, routes[0], w, w1, w3, w2, 10.0, scales=tuple(scales) or None,
+                                     dtype=torch.bfloat16) is None:
                 line.append(f"{name}: the native kernel declined")
                 continue
             best = float("inf")
             for _ in range(rounds):
                 start = time.perf_counter()
-                for ((w1, w3, w2), scales), ids in zip(layer_banks, routes):
-                    native.routed_experts(x, ids, w, w1, w3, w2, 10.0, scales=scales, dtype=torch.bfloat16)
+                for (w1, w3, w2, *scales), ids in zip(layer_banks, routes):
+                    native.routed_experts(x, ids, w, w1, w3, w2, 10.0, scales=tuple(scales) or None,
+                                          dtype=torch.bfloat16)
                 best = min(best, (time.perf_counter() - start) / layers)
             rate = chosen * expert_bytes[name] / best / 1e9
             line.append(f"{name} {best * 1e3:6.3f} ({rate:5.1f} GB/s, {rate / read:4.0%} of the sum)")
