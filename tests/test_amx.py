@@ -6,8 +6,10 @@ routed experts' SwiGLU mixture within bf16's, and the property the tiles give: e
 depend on its own weight row, activation row and K, not on the rows beside it (a row placed among 5 or
 among 70 others gives the same fp32 sum; a token's experts give the same output whether each has 6
 rows or 12). A stored fp4 expert's rows, decoded block by block as the tiles take them, give the bits of the
-same expert held in bf16. A kernel that packs the activations' pairs in the wrong order, or multiplies
-a stored block other than the one it decoded, must fail the same checks.
+same expert held in bf16. A group of at most 8 rows packs its activations in blocks of 8 columns, a
+larger one in blocks of 16 (N42): a token's outputs have the same bits either way. A kernel that packs
+the activations' pairs in the wrong order, multiplies a stored block other than the one it decoded, or
+reads a narrow block at a wide one's stride, must fail the same checks.
 """
 
 from __future__ import annotations
@@ -118,6 +120,23 @@ def test_amx_stored_expert_groups_of_two_to_four_rows_are_the_held_banks_bits():
     check_stored_pairs()
 
 
+def check_stored_widths() -> None:
+    """32 tokens on 4 of 8 experts (16 rows an expert: blocks of 16 columns), then the first 16 of them
+    alone (8 rows an expert: blocks of 8): each token's output has the same bits in both calls, and both
+    are the held banks' bits."""
+    x, ids, weights, stored = stored_case(32, 4, 8, 128, 96, seed=42)
+    ids = torch.tensor([[(t + j) % 8 for j in (0, 2, 4, 6)] for t in range(32)])
+    banks, scales = [q for q, _ in stored], tuple(s for _, s in stored)
+    wide = native.routed_experts(x, ids, weights, *banks, 6.0, scales=scales, dtype=torch.bfloat16)
+    narrow = native.routed_experts(x[:16], ids[:16], weights[:16], *banks, 6.0, scales=scales, dtype=torch.bfloat16)
+    assert torch.equal(narrow, wide[:16])
+    assert torch.equal(wide, native.routed_experts(x, ids, weights, *held_banks(stored), 6.0))
+
+
+def test_amx_stored_expert_groups_have_the_same_bits_in_narrow_and_wide_blocks():
+    check_stored_widths()
+
+
 @pytest.mark.parametrize("old, new, checks", [
     # a pair's values taken from the pair before it (every odd pair)
     ("row + 2 * q, 2 * sizeof", "row + 2 * (q / 2 * 2), 2 * sizeof", (check_products, check_experts)),
@@ -126,11 +145,21 @@ def test_amx_stored_expert_groups_of_two_to_four_rows_are_the_held_banks_bits():
     ("_tile_loadd(6, w1 + k, w_stride * 2);", "_tile_loadd(6, w + k, w_stride * 2);", (check_products,)),
     # (a stored group of 2 to 4 rows is caught only if it runs on the tiles)
     ("slots[(k / 32 + 1) % 2]", "slots[(k / 32) % 2]", (check_stored_groups, check_stored_pairs)),
+    # a block of 8 columns loaded at the stride of 16 (N42)
+    ("_tile_loadd(5, bk, columns * 4);", "_tile_loadd(5, bk, 64);", (check_experts, check_stored_widths)),
 ])
 def test_a_mutated_amx_kernel_is_caught(old, new, checks, tmp_path, monkeypatch):
     lib = mutated_library("amx.c", old, new, tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_library", lambda: lib)
     for check in checks:
+        with pytest.raises(AssertionError):
+            check()
+
+
+def test_narrow_sums_put_at_a_wide_blocks_places_are_caught(tmp_path, monkeypatch):
+    lib = mutated_library("gemv.c", "* columns + k % columns]", "* AMX_ROWS + k % columns]", tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    for check in (check_experts, check_stored_widths):
         with pytest.raises(AssertionError):
             check()
 

@@ -413,7 +413,7 @@ static void run_rows(const Gemv *g, int64_t p, int64_t n0, int64_t n1) {
  * where they are whole (AMX_ROWS rows, K a multiple of 32), else copied first into a zero-padded
  * scratch. Returns 0, or -1 (an allocation failed; `out` untouched). */
 static int run_amx(const Gemv *g, const uint16_t *x, int64_t x_sp, int64_t x_sm, int threads) {
-    const int64_t Kp = AMX_PADDED(g->K), blocks = AMX_BLOCKS(g->M), tiles = AMX_BLOCKS(g->N);
+    const int64_t Kp = AMX_PADDED(g->K), blocks = AMX_BLOCKS(g->M, AMX_ROWS), tiles = AMX_BLOCKS(g->N, AMX_ROWS);
     const int64_t packed = blocks * Kp * AMX_ROWS;                     /* uint16 values per pair */
     uint16_t *b = malloc((size_t)(g->P * packed) * sizeof(uint16_t));
     uint16_t *scratch = calloc((size_t)(threads * AMX_ROWS * Kp), sizeof(uint16_t));
@@ -423,20 +423,20 @@ static int run_amx(const Gemv *g, const uint16_t *x, int64_t x_sp, int64_t x_sm,
         free(b); free(scratch); free(c);
         return -1;
     }
-    for (int64_t p = 0; p < g->P; p++) dsv41_amx_pack(g->M, g->K, x + p * x_sp, x_sm, b + p * packed);
+    for (int64_t p = 0; p < g->P; p++) dsv41_amx_pack(g->M, g->K, x + p * x_sp, x_sm, AMX_ROWS, b + p * packed);
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         const Span span = thread_span(g->P * tiles);
         uint16_t *mine = scratch + span.index * AMX_ROWS * Kp;
         float *sums = c + span.index * per_thread * AMX_ROWS * AMX_ROWS;
-        dsv41_amx_begin();
+        dsv41_amx_begin(AMX_ROWS);
         for (int64_t r = span.begin; r < span.end; r++) {
             const int64_t p = r / tiles, n0 = (r % tiles) * AMX_ROWS;
             const int64_t rows = g->N - n0 < AMX_ROWS ? g->N - n0 : AMX_ROWS;
             if (blocks == 1 && r + 1 < span.end && (r + 1) / tiles == p && n0 + 2 * AMX_ROWS <= g->N && g->K % 32 == 0) {
                 /* the second tile's sums right after the first's: weight row i's at sums + i · AMX_ROWS */
-                dsv41_amx_tile_pair((const uint16_t *)g->w + p * g->w_sp + n0 * g->w_sn, g->w_sn, Kp, b + p * packed, sums,
-                                    sums + AMX_ROWS * AMX_ROWS);
+                dsv41_amx_tile_pair((const uint16_t *)g->w + p * g->w_sp + n0 * g->w_sn, g->w_sn, Kp, b + p * packed, AMX_ROWS,
+                                    sums, sums + AMX_ROWS * AMX_ROWS);
                 for (int64_t m = 0; m < g->M; m++)
                     for (int64_t i = 0; i < 2 * AMX_ROWS; i++) put(g, p, m, n0 + i, sums[i * AMX_ROWS + m]);
                 r++;
@@ -445,7 +445,7 @@ static int run_amx(const Gemv *g, const uint16_t *x, int64_t x_sp, int64_t x_sm,
             int64_t stride;
             const uint16_t *w = dsv41_amx_rows((const uint16_t *)g->w + p * g->w_sp + n0 * g->w_sn, g->w_sn, rows,
                                                g->K, mine, &stride);
-            dsv41_amx_tile(w, stride, Kp, b + p * packed, blocks, sums);
+            dsv41_amx_tile(w, stride, Kp, b + p * packed, blocks, AMX_ROWS, sums);
             for (int64_t m = 0; m < g->M; m++)
                 for (int64_t i = 0; i < rows; i++)
                     put(g, p, m, n0 + i, sums[((m / AMX_ROWS) * AMX_ROWS + i) * AMX_ROWS + m % AMX_ROWS]);
@@ -846,13 +846,19 @@ static inline int amx_group(int amx, int64_t m, int stored) {
     return amx && m > (stored ? AMX_STORED_FROM_ROWS : AMX_FROM_ROWS);
 }
 
+/* The activation rows a packed block of an m-row group holds (N42). */
+static inline int64_t amx_columns(int64_t m) {
+    return m <= AMX_NARROW ? AMX_NARROW : AMX_ROWS;
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* `bank_tile` on AMX tiles (N37): AMX_ROWS rows of expert e's bf16 matrix (`rows` × K, from row j0) against
- * its group's packed activation blocks bx → sums [blocks, AMX_ROWS, AMX_ROWS]. A held matrix's whole
- * tile is read in place; a stored one's rows are decoded to the held bank's values (so the held bank's
- * bits) block by block as the tiles take them, or into `scratch` first where a scale is outside
- * FP4_WIDE_SCALE; a held partial tile or a K that is not a multiple of 32 is copied there (zero-padded). */
-static void amx_bank_tile(const uint16_t *bx, int64_t blocks, int64_t K, const void *w, const void *s,
+ * its group's packed activation blocks bx of `columns` rows → sums [blocks, AMX_ROWS, columns]. A held
+ * matrix's whole tile is read in place; a stored one's rows are decoded to the held bank's values (so the
+ * held bank's bits) block by block as the tiles take them, or into `scratch` first where a scale is
+ * outside FP4_WIDE_SCALE; a held partial tile or a K that is not a multiple of 32 is copied there
+ * (zero-padded). */
+static void amx_bank_tile(const uint16_t *bx, int64_t blocks, int64_t columns, int64_t K, const void *w, const void *s,
                           const uint8_t *c, int64_t e, int64_t E, int64_t rows, int64_t j0, uint16_t *scratch,
                           float *sums) {
     const int64_t n = rows - j0 < AMX_ROWS ? rows - j0 : AMX_ROWS;
@@ -860,19 +866,20 @@ static void amx_bank_tile(const uint16_t *bx, int64_t blocks, int64_t K, const v
     int64_t stride = K;                                     /* a stored bank's K is a multiple of 32 */
     if (c != NULL && e != E) {
         const uint8_t *codes = (const uint8_t *)w + (e * rows + j0) * (K / 2), *scales = c + (e * rows + j0) * (K / 32);
-        if (dsv41_amx_tile_fp4(codes, scales, n, K, bx, blocks, sums) == 0) return;
+        if (dsv41_amx_tile_fp4(codes, scales, n, K, bx, blocks, columns, sums) == 0) return;
         fp4_rows(n, K, 1, codes, scales, scratch);
     } else
         a = dsv41_amx_rows((const uint16_t *)expert_weight(w, s, e, E, rows * K, 2) + j0 * K, K, n, K, scratch, &stride);
-    dsv41_amx_tile(a, stride, AMX_PADDED(K), bx, blocks, sums);
+    dsv41_amx_tile(a, stride, AMX_PADDED(K), bx, blocks, columns, sums);
 }
 
-/* sums [blocks, AMX_ROWS, AMX_ROWS] of an `amx_bank_tile` → rows j0 … of the m pairs' outputs at p0
+/* sums [blocks, AMX_ROWS, columns] of an `amx_bank_tile` → rows j0 … of the m pairs' outputs at p0
  * (row width `width`), rounded as the bank's products are. */
-static void amx_put(const float *sums, int64_t m, int64_t p0, int64_t j0, int64_t width, int w_bf16, float *out) {
+static void amx_put(const float *sums, int64_t columns, int64_t m, int64_t p0, int64_t j0, int64_t width, int w_bf16,
+                    float *out) {
     for (int64_t k = 0; k < m; k++)
         for (int64_t j = 0; j < AMX_ROWS && j0 + j < width; j++)
-            out[(p0 + k) * width + j0 + j] = round_to(sums[((k / AMX_ROWS) * AMX_ROWS + j) * AMX_ROWS + k % AMX_ROWS], w_bf16);
+            out[(p0 + k) * width + j0 + j] = round_to(sums[((k / columns) * AMX_ROWS + j) * columns + k % columns], w_bf16);
 }
 #endif
 
@@ -933,14 +940,15 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
         if (p == 0 || pair[2 * p] != pair[2 * (p - 1)] || p - group[G - 1] == cap) group[G++] = p;
     group[G] = P;
     /* the AMX groups' packed activation blocks (x for gate and up, then h for down), each group's from
-     * block `first[g]` on, and one scratch tile per thread */
+     * column `first[g]` on (its blocks of `amx_columns` rows each: Kp · columns values a block), and one
+     * scratch tile per thread */
     int64_t *first = malloc((size_t)(G + 1) * sizeof(int64_t));
     double *prefix = malloc((size_t)(2 * G + 1) * sizeof(double)), *cost = prefix + G + 1;
     if (first == NULL || prefix == NULL) {
         free(pair); free(group); free(gate); free(xg); free(scratch); free(first); free(prefix);
         return -1;
     }
-    /* per group: its tiles' cost to a thread, and whether it multiplies on the tiles (from block first[g]) */
+    /* per group: its tiles' cost to a thread, and whether it multiplies on the tiles (from column first[g]) */
     prefix[0] = 0.0;
     first[0] = 0;
     for (int64_t g = 0; g < G; g++) {
@@ -948,14 +956,14 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
         const int stored = c1 != NULL && pair[2 * group[g]] != E;
         cost[g] = stored ? 1.0 : HELD_TILE_COST;
         prefix[g + 1] = prefix[g] + cost[g];
-        first[g + 1] = first[g] + (amx_group(amx, m, stored) ? AMX_BLOCKS(m) : 0);
+        first[g + 1] = first[g] + (amx_group(amx, m, stored) ? AMX_BLOCKS(m, amx_columns(m)) * amx_columns(m) : 0);
     }
     const int64_t Dp = AMX_PADDED(D), Ip = AMX_PADDED(I), Wp = Dp > Ip ? Dp : Ip;
     uint16_t *bx = NULL, *bh = NULL, *tiles = NULL;
     float *sums = NULL;
     if (first[G] > 0) {
-        bx = malloc((size_t)(first[G] * Dp * AMX_ROWS) * sizeof(uint16_t));
-        bh = malloc((size_t)(first[G] * Ip * AMX_ROWS) * sizeof(uint16_t));
+        bx = malloc((size_t)(first[G] * Dp) * sizeof(uint16_t));
+        bh = malloc((size_t)(first[G] * Ip) * sizeof(uint16_t));
         tiles = calloc((size_t)(threads * AMX_ROWS * Wp), sizeof(uint16_t));
         sums = malloc((size_t)(threads * 4 * AMX_ROWS * AMX_ROWS) * sizeof(float));
         if (bx == NULL || bh == NULL || tiles == NULL || sums == NULL) {
@@ -984,13 +992,17 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         uint16_t *mine = tiles != NULL ? tiles + index * AMX_ROWS * Wp : NULL;
         float *own = sums != NULL ? sums + index * 4 * AMX_ROWS * AMX_ROWS : NULL;
-        if (amx) dsv41_amx_begin();
-        /* the tile groups' activations packed by the threads (each group's 16 rows a block: mostly zeros
-         * to write; one thread alone took ~0.1 of a 16-token layer's ~2.7 ms) */
+        /* the tiles configured for the block width of the group at hand, again when it changes (a 16-token
+         * step's groups are mostly narrow, the shared expert's wide) */
+        int64_t columns = AMX_ROWS;
+        if (amx) dsv41_amx_begin(columns);
+        /* the tile groups' activations packed by the threads (a block mostly zeros to write; one thread
+         * alone took ~0.1 of a 16-token layer's ~2.7 ms) */
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < G; g++)
             if (first[g + 1] > first[g])
-                dsv41_amx_pack(group[g + 1] - group[g], D, (const uint16_t *)xg + group[g] * D, D, bx + first[g] * Dp * AMX_ROWS);
+                dsv41_amx_pack(group[g + 1] - group[g], D, (const uint16_t *)xg + group[g] * D, D,
+                               amx_columns(group[g + 1] - group[g]), bx + first[g] * Dp);
 #endif
         /* gate and up: `unit` rows of w1 and w3, each thread a run of tiles of one share of the cost */
         const int64_t gu_end = tile_at(G, I_units, prefix, cost, index + 1, nt);
@@ -998,11 +1010,20 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
             const int64_t g = r / I_units, i1 = (r % I_units) * unit, p0 = group[g], m = group[g + 1] - p0, e = pair[2 * p0];
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
             if (first[g + 1] > first[g]) {
-                const uint16_t *b = bx + first[g] * Dp * AMX_ROWS;
-                amx_bank_tile(b, first[g + 1] - first[g], D, w1, s1, c1, e, E, I, i1, mine, own);
-                amx_put(own, m, p0, i1, I, w_bf16, gate);
-                amx_bank_tile(b, first[g + 1] - first[g], D, w3, s3, c3, e, E, I, i1, mine, own);
-                amx_put(own, m, p0, i1, I, w_bf16, up);
+                /* the run's tiles of this group: all of w1's, then all of w3's */
+                const int64_t last = (g + 1) * I_units < gu_end ? (g + 1) * I_units : gu_end;
+                const uint16_t *b = bx + first[g] * Dp;
+                const int64_t blocks = (first[g + 1] - first[g]) / amx_columns(m);
+                if (amx_columns(m) != columns) dsv41_amx_begin(columns = amx_columns(m));
+                for (int64_t q = r; q < last; q++) {
+                    amx_bank_tile(b, blocks, columns, D, w1, s1, c1, e, E, I, (q % I_units) * unit, mine, own);
+                    amx_put(own, columns, m, p0, (q % I_units) * unit, I, w_bf16, gate);
+                }
+                for (int64_t q = r; q < last; q++) {
+                    amx_bank_tile(b, blocks, columns, D, w3, s3, c3, e, E, I, (q % I_units) * unit, mine, own);
+                    amx_put(own, columns, m, p0, (q % I_units) * unit, I, w_bf16, up);
+                }
+                r = last - 1;
                 continue;
             }
 #endif
@@ -1027,15 +1048,18 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < G; g++)
             if (first[g + 1] > first[g])
-                dsv41_amx_pack(group[g + 1] - group[g], I, (const uint16_t *)hg + group[g] * I, I, bh + first[g] * Ip * AMX_ROWS);
+                dsv41_amx_pack(group[g + 1] - group[g], I, (const uint16_t *)hg + group[g] * I, I,
+                               amx_columns(group[g + 1] - group[g]), bh + first[g] * Ip);
 #endif
         const int64_t down_end = tile_at(G, D_units, prefix, cost, index + 1, nt);
         for (int64_t r = tile_at(G, D_units, prefix, cost, index, nt); r < down_end; r++) {    /* down: `unit` rows of w2 */
             const int64_t g = r / D_units, d1 = (r % D_units) * unit, p0 = group[g], m = group[g + 1] - p0, e = pair[2 * p0];
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
             if (first[g + 1] > first[g]) {
-                amx_bank_tile(bh + first[g] * Ip * AMX_ROWS, first[g + 1] - first[g], I, w2, s2, c2, e, E, D, d1, mine, own);
-                amx_put(own, m, p0, d1, D, w_bf16, y);
+                if (amx_columns(m) != columns) dsv41_amx_begin(columns = amx_columns(m));
+                amx_bank_tile(bh + first[g] * Ip, (first[g + 1] - first[g]) / columns, columns, I, w2, s2, c2, e, E, D, d1,
+                              mine, own);
+                amx_put(own, columns, m, p0, d1, D, w_bf16, y);
                 continue;
             }
 #endif

@@ -34,37 +34,44 @@ void dsv41_hc_expand(int64_t rows, int64_t S, int64_t D, int bf16, const void *o
 void dsv41_hc_expand_rows(int64_t rows, int64_t S, int64_t D, int bf16, const void *o, const void *residual,
                           const float *post, const float *comb, void *out, int threads);
 
-/* amx.c: bf16 products on AMX tiles (N37). Weight rows per tile and activation rows per packed block. */
+/* amx.c: bf16 products on AMX tiles (N37). Weight rows per tile (A's rows), and the activation rows a
+ * packed block holds (B's and C's columns): AMX_ROWS, or AMX_NARROW for a routed expert's group of at most
+ * that many rows, whose block then takes half the L1 that a tile's steps walk through (N42). */
 #define AMX_ROWS 16
+#define AMX_NARROW 8
 #define AMX_PADDED(K) (((K) + 31) / 32 * 32)
-#define AMX_BLOCKS(M) (((M) + AMX_ROWS - 1) / AMX_ROWS)
+#define AMX_BLOCKS(M, columns) (((M) + (columns) - 1) / (columns))
 /* 1 where this build has AMX bf16 tiles and the kernel may use them (the process asked for their state
  * once); 0 otherwise, and then no other amx function may be called. */
 int dsv41_amx_ready(void);
-/* The calling thread's tile configuration, before its first `dsv41_amx_tile`; its tiles released after. */
-void dsv41_amx_begin(void);
+/* The calling thread's tile configuration for blocks of `columns` activation rows, before its first
+ * `dsv41_amx_tile` of them (again to change `columns`; the tiles' contents are then lost); its tiles
+ * released after. */
+void dsv41_amx_begin(int64_t columns);
 void dsv41_amx_end(void);
-/* x [M, K] (row stride x_stride) packed into B blocks b [AMX_BLOCKS(M), Kp / 2, AMX_ROWS, 2], zeros
- * past M rows and K values. */
-void dsv41_amx_pack(int64_t M, int64_t K, const uint16_t *x, int64_t x_stride, uint16_t *b);
+/* x [M, K] (row stride x_stride) packed into B blocks b [AMX_BLOCKS(M, columns), Kp / 2, columns, 2],
+ * zeros past M rows and K values. */
+void dsv41_amx_pack(int64_t M, int64_t K, const uint16_t *x, int64_t x_stride, int64_t columns, uint16_t *b);
 /* The rows (≤ AMX_ROWS, K values each) of weight w that a tile loads: w itself (row stride w_stride into
  * *stride) where they are a whole tile and K a multiple of 32, else their copy into scratch [AMX_ROWS,
  * AMX_PADDED(K)] (zero past K where the scratch was zeroed; stride AMX_PADDED(K)). */
 const uint16_t *dsv41_amx_rows(const uint16_t *w, int64_t w_stride, int64_t rows, int64_t K, uint16_t *scratch,
                                int64_t *stride);
-/* AMX_ROWS weight rows w (row stride w_stride, Kp readable values each) against `blocks` packed blocks:
- * c [blocks, AMX_ROWS weight rows, AMX_ROWS activation rows] fp32. */
-void dsv41_amx_tile(const uint16_t *w, int64_t w_stride, int64_t Kp, const uint16_t *b, int64_t blocks, float *c);
-/* One block (≤ AMX_ROWS activation rows) against two whole tiles, 2 · AMX_ROWS rows of w from w (K a
+/* AMX_ROWS weight rows w (row stride w_stride, Kp readable values each) against `blocks` packed blocks of
+ * `columns` rows (the configuration's): c [blocks, AMX_ROWS weight rows, columns activation rows] fp32. */
+void dsv41_amx_tile(const uint16_t *w, int64_t w_stride, int64_t Kp, const uint16_t *b, int64_t blocks,
+                    int64_t columns, float *c);
+/* One block (≤ columns activation rows) against two whole tiles, 2 · AMX_ROWS rows of w from w (K a
  * multiple of 32): c0 and c1 as `dsv41_amx_tile`'s c for each tile. */
-void dsv41_amx_tile_pair(const uint16_t *w, int64_t w_stride, int64_t Kp, const uint16_t *b, float *c0, float *c1);
+void dsv41_amx_tile_pair(const uint16_t *w, int64_t w_stride, int64_t Kp, const uint16_t *b, int64_t columns,
+                         float *c0, float *c1);
 /* `dsv41_amx_tile` of `rows` (≤ AMX_ROWS) stored fp4 rows, w [rows, K / 2] code bytes and s [rows, K / 32]
  * ue8m0 scales, each decoded to its bf16 values (a held bank's) as the tiles take it: the same c, rows
  * past `rows` zero. Returns 0, or -1 without touching c where a scale is not FP4_WIDE_SCALE or K is not a
  * multiple of 32 or has more than FP4_TILE_BLOCKS blocks (then decode into a scratch and take
  * `dsv41_amx_tile`). */
 int dsv41_amx_tile_fp4(const uint8_t *w, const uint8_t *s, int64_t rows, int64_t K, const uint16_t *b, int64_t blocks,
-                       float *c);
+                       int64_t columns, float *c);
 
 /* One bf16 product of N rows: out [N, rows] = x [N, K] · w [rows, K]ᵀ (Linear.forward's). */
 static inline int bf16_product(int64_t N, int64_t rows, int64_t K, int threads, const uint16_t *x,
