@@ -49,7 +49,7 @@ def build(folder: Path) -> Path | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--experts", type=int, default=360, help="experts in the pool (0.87 MB each)")
+    ap.add_argument("--experts", type=int, default=360, help="experts in the pool (0.84 MB each)")
     args = ap.parse_args()
     if args.threads < 1 or args.experts < 2 * args.threads:
         ap.error("--threads must be at least 1 and --experts at least 2 a thread")
