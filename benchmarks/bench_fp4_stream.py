@@ -13,7 +13,6 @@ stops without them.
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,14 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_reference import bandwidth_gb_s  # noqa: E402
-from dsv41.model.native import FLAGS                    # noqa: E402
+from dsv41.model.native import FLAGS, c_compiler        # noqa: E402
 
 NATIVE = ROOT / "dsv41" / "model" / "native"
 
 
 def build(folder: Path) -> Path | None:
     """The benchmark compiled into folder, or None (no compiler, or it refused: its message printed)."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         print("no C compiler (cc or gcc) on PATH")
         return None

@@ -45,10 +45,9 @@ static double now(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-/* The kernel's prefetch: the next tile's 16 rows' codes, 16 bytes a row at step k. */
+/* The kernel's prefetch (fp4.h): the next tile's 16 rows' codes, 16 bytes a row at step k. */
 static inline void ask_next(const uint8_t *codes, int64_t K, int64_t k) {
-    const char *next = (const char *)codes + AMX_ROWS * (K / 2);
-    for (int64_t line = 0; line < AMX_ROWS * 16; line += 64) _mm_prefetch(next + k / 32 * AMX_ROWS * 16 + line, _MM_HINT_T0);
+    fp4_ask_next_tile((const char *)codes + AMX_ROWS * (K / 2), k);
 }
 
 static void stream(const uint8_t *codes, const uint8_t *scales, int64_t K, const uint16_t *b, float *c,
@@ -78,10 +77,7 @@ static void decoding(const uint8_t *codes, const uint8_t *scales, int64_t K, con
     fp4_exponent_adds(scales, AMX_ROWS * (K / 32), adds);
     for (int64_t k = 0; k < K; k += 32) {
         ask_next(codes, K, k);
-        for (int64_t i = 0; i < AMX_ROWS; i++)
-            _mm512_store_si512(slots[(k / 32) % 2] + i * 32,
-                               fp4_scaled_values(codes + i * (K / 2) + k / 2,
-                                                 _mm512_set1_epi32((int)adds[i * (K / 32) + k / 32]), table));
+        fp4_slot(codes, AMX_ROWS, K, adds, k, table, slots[(k / 32) % 2]);
     }
     c[0] = (float)slots[0][0];                    /* the slots are read, so the decoding stays */
 }

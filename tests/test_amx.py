@@ -140,9 +140,9 @@ def test_amx_stored_expert_groups_have_the_same_bits_in_narrow_and_wide_blocks()
 @pytest.mark.parametrize("old, new, checks", [
     # a pair's values taken from the pair before it (every odd pair)
     ("row + 2 * q, 2 * sizeof", "row + 2 * (q / 2 * 2), 2 * sizeof", (check_products, check_experts)),
-    # a stored block decoded into the slot the tiles are about to load, not the other one
     # the second of a pair of tiles multiplying the first tile's rows (N40)
     ("_tile_loadd(6, w1 + k, w_stride * 2);", "_tile_loadd(6, w + k, w_stride * 2);", (check_products,)),
+    # a stored block decoded into the slot the tiles are about to load, not the other one
     # (a stored group of 2 to 4 rows is caught only if it runs on the tiles)
     ("slots[(k / 32 + 1) % 2]", "slots[(k / 32) % 2]", (check_stored_groups, check_stored_pairs)),
     # a block of 8 columns loaded at the stride of 16 (N42)

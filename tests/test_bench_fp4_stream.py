@@ -8,7 +8,6 @@ every part prints a positive time; elsewhere the program says it has nothing to 
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("stream (prefetches alone)", "stream + tiles, no decoding", "stream + decoding, no tiles", "kernel",
          "kernel, 2 experts a thread")
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(native.c_compiler() is None, reason="no C compiler")
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

@@ -103,10 +103,15 @@ def library_path() -> Path:
     return cache_dir() / f"dsv41-native-{key}.so"
 
 
+def c_compiler() -> str | None:
+    """The C compiler the library is built with: $CC, else cc or gcc on PATH; None where there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def build(target: Path) -> None:
     """Compile the sources into `target` (written under a temporary name, then renamed: two processes
     building at once both end with a whole library). Raises OSError or CalledProcessError."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         raise OSError("no C compiler (cc or gcc) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)

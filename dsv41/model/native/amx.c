@@ -164,20 +164,6 @@ void dsv41_amx_tile_pair(const uint16_t *w, int64_t w_stride, int64_t Kp, const 
 }
 
 #if defined(__AVX512BW__)
-/* Block k of the stored rows (32 values each) decoded into slot, the A operand of one tile: row i at
- * slot + 32 i, so the tile loads it at a 64-byte stride. */
-static inline __attribute__((always_inline)) void fp4_slot(const uint8_t *w, int64_t rows, int64_t K, const uint32_t *adds,
-                                                           int64_t k, __m512i table, uint16_t *slot) {
-    for (int64_t i = 0; i < rows; i++)
-        _mm512_store_si512(slot + i * 32, fp4_scaled_values(w + i * (K / 2) + k / 2,
-                                                            _mm512_set1_epi32((int)adds[i * (K / 32) + k / 32]), table));
-}
-
-/* Step k's lines of the tile after this one (`next`: AMX_ROWS rows of 16 bytes a step). */
-static inline __attribute__((always_inline)) void ask_next_tile(const char *next, int64_t k) {
-    for (int64_t line = 0; line < AMX_ROWS * 16; line += 64) _mm_prefetch(next + k / 32 * AMX_ROWS * 16 + line, _MM_HINT_T0);
-}
-
 /* `amx_pass` over stored rows: each block of 32 values is decoded into one slot of a pair while the
  * tiles multiply the block before it from the other (decoding the whole tile into a scratch first, or
  * each block just before its load, left the decoding and the tiles taking turns: 6.7 and 6.2 cycles a
@@ -196,12 +182,12 @@ static inline __attribute__((always_inline)) void amx_pass_fp4(int count, const 
     fp4_slot(w, rows, K, adds, 0, table, slots[0]);
     int64_t k = 0;
     for (; k + 32 < K; k += 32) {
-        ask_next_tile(next, k);
+        fp4_ask_next_tile(next, k);
         fp4_slot(w, rows, K, adds, k + 32, table, slots[(k / 32 + 1) % 2]);
         _tile_loadd(4, slots[(k / 32) % 2], 64);
         c_step(count, b + k * columns, K, columns);
     }
-    ask_next_tile(next, k);
+    fp4_ask_next_tile(next, k);
     _tile_loadd(4, slots[(k / 32) % 2], 64);
     c_step(count, b + k * columns, K, columns);
     c_store(count, c, columns);

@@ -6,6 +6,8 @@
 
 #include <stdint.h>
 
+#include "kernels.h"
+
 #if defined(__AVX512BW__)
 #include <immintrin.h>
 
@@ -62,6 +64,21 @@ static inline int fp4_wide_scales(const uint8_t *c, int64_t count) {
         if (wide != live) return 0;
     }
     return 1;
+}
+
+/* For amx.c's stored tiles (and benchmarks/fp4_stream.c, which times them part by part): block k of the
+ * stored rows (32 values each) decoded into slot, the A operand of one tile: row i at slot + 32 i, so the
+ * tile loads it at a 64-byte stride. */
+static inline __attribute__((always_inline)) void fp4_slot(const uint8_t *w, int64_t rows, int64_t K, const uint32_t *adds,
+                                                           int64_t k, __m512i table, uint16_t *slot) {
+    for (int64_t i = 0; i < rows; i++)
+        _mm512_store_si512(slot + i * 32, fp4_scaled_values(w + i * (K / 2) + k / 2,
+                                                            _mm512_set1_epi32((int)adds[i * (K / 32) + k / 32]), table));
+}
+
+/* Step k's lines of the tile after this one (`next`: AMX_ROWS rows of 16 bytes a step), asked for into L1. */
+static inline __attribute__((always_inline)) void fp4_ask_next_tile(const char *next, int64_t k) {
+    for (int64_t line = 0; line < AMX_ROWS * 16; line += 64) _mm_prefetch(next + k / 32 * AMX_ROWS * 16 + line, _MM_HINT_T0);
 }
 #endif
 

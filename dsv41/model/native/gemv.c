@@ -1015,13 +1015,13 @@ int dsv41_routed_experts(int64_t n, int64_t A, int64_t E, int64_t D, int64_t I, 
                 const uint16_t *b = bx + first[g] * Dp;
                 const int64_t blocks = (first[g + 1] - first[g]) / amx_columns(m);
                 if (amx_columns(m) != columns) dsv41_amx_begin(columns = amx_columns(m));
-                for (int64_t q = r; q < last; q++) {
-                    amx_bank_tile(b, blocks, columns, D, w1, s1, c1, e, E, I, (q % I_units) * unit, mine, own);
-                    amx_put(own, columns, m, p0, (q % I_units) * unit, I, w_bf16, gate);
+                for (int64_t i = i1; i < (last - g * I_units) * unit; i += unit) {
+                    amx_bank_tile(b, blocks, columns, D, w1, s1, c1, e, E, I, i, mine, own);
+                    amx_put(own, columns, m, p0, i, I, w_bf16, gate);
                 }
-                for (int64_t q = r; q < last; q++) {
-                    amx_bank_tile(b, blocks, columns, D, w3, s3, c3, e, E, I, (q % I_units) * unit, mine, own);
-                    amx_put(own, columns, m, p0, (q % I_units) * unit, I, w_bf16, up);
+                for (int64_t i = i1; i < (last - g * I_units) * unit; i += unit) {
+                    amx_bank_tile(b, blocks, columns, D, w3, s3, c3, e, E, I, i, mine, own);
+                    amx_put(own, columns, m, p0, i, I, w_bf16, up);
                 }
                 r = last - 1;
                 continue;
